@@ -1,0 +1,160 @@
+"""The single-process engine: draft + verifier in one process, continuous batching of rounds.
+
+One round (`step`) for every active sequence: one batched propose, one batched verifier pass,
+then each sequence commits what was accepted. Sequences join and leave between rounds."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from specdec.config import EngineConfig
+from specdec.metrics import SpecMetrics, aggregate
+from specdec.models.runner import ModelRunner
+from specdec.protocol import ProposeRequest, VerifyRequest
+from specdec.proposers import DraftModelProposer, NgramProposer, Proposer
+from specdec.sampling import SamplingParams
+from specdec.sequence import Delta, Sequence
+from specdec.tokenizer import TextTokenizer
+from specdec.verifier import Verifier
+
+
+@dataclass
+class Completion:
+    seq_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    metrics: SpecMetrics
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "metrics": self.metrics.to_dict()}
+
+
+def build_proposer(spec: str, cfg: EngineConfig) -> Proposer | None:
+    """'none' -> None, 'ngram' -> prompt lookup, anything else -> a draft model by spec."""
+    if spec == "none":
+        return None
+    if spec == "ngram":
+        return NgramProposer(max_n=cfg.ngram_max)
+    from specdec.models.loader import load_model
+
+    model = load_model(spec, cfg.device, cfg.dtype, cfg.progress)
+    return DraftModelProposer(ModelRunner(model, cfg.max_seqs, cfg.max_model_len))
+
+
+def build_verifier(cfg: EngineConfig) -> Verifier:
+    from specdec.models.loader import load_model
+
+    return Verifier(ModelRunner(load_model(cfg.verifier, cfg.device, cfg.dtype, cfg.progress), cfg.max_seqs,
+                                cfg.max_model_len))
+
+
+class SpecEngine:
+    def __init__(self, verifier: Verifier, proposer: Proposer | None, tokenizer: TextTokenizer | None,
+                 cfg: EngineConfig | None = None, extra_proposers: dict[str, Proposer] | None = None):
+        self.cfg = cfg or EngineConfig()
+        self.verifier = verifier
+        self.proposers: dict[str, Proposer] = dict(extra_proposers or {})
+        if proposer is not None:
+            self.proposers.setdefault(proposer.name, proposer)
+        self.default_proposer = proposer.name if proposer is not None else None
+        self.tokenizer = tokenizer
+        self.max_len = verifier.runner.max_len
+        self.active: list[Sequence] = []
+        self._proposer_of: dict[str, str | None] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> "SpecEngine":
+        from specdec.models.loader import load_tokenizer
+
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        verifier = build_verifier(cfg)
+        proposer = build_proposer(cfg.draft, cfg)
+        extra = {} if cfg.draft == "ngram" else {"ngram": NgramProposer(max_n=cfg.ngram_max)}
+        return cls(verifier, proposer, TextTokenizer(load_tokenizer(cfg.verifier, cfg.progress)), cfg, extra)
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
+                    num_speculative_tokens: int | None = None, proposer: str | None = None,
+                    seq_id: str | None = None) -> Sequence:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif prompt and isinstance(prompt[0], dict):
+            ids = self.tokenizer.chat(prompt)
+        else:
+            ids = list(prompt)
+        k = self.cfg.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        name = proposer or self.default_proposer
+        if name is not None and name not in self.proposers:
+            raise ValueError(f"unknown proposer {name!r}; available: {sorted(self.proposers)}")
+        seq = Sequence(seq_id or f"seq-{next(self._ids)}", ids, params, k if name else 0, self.max_len,
+                       self.tokenizer.eos_token_ids if self.tokenizer else set(),
+                       self.tokenizer.decode if self.tokenizer else None)
+        self._proposer_of[seq.seq_id] = name
+        self.active.append(seq)
+        return seq
+
+    def abort(self, seq_id: str) -> None:
+        self.active = [s for s in self.active if s.seq_id != seq_id]
+        self._release(seq_id)
+
+    def _release(self, seq_id: str) -> None:
+        self.verifier.free(seq_id)
+        name = self._proposer_of.pop(seq_id, None)
+        if name:
+            self.proposers[name].free(seq_id)
+
+    # -- rounds ------------------------------------------------------------------------------
+    def step(self) -> list[tuple[Sequence, Delta]]:
+        batch = self.active[: self.cfg.max_batch_size]
+        if not batch:
+            return []
+        ks = [s.draft_budget() for s in batch]
+        drafts = [([], None)] * len(batch)
+        by_proposer: dict[str, list[int]] = {}
+        for i, (s, k) in enumerate(zip(batch, ks)):
+            if k > 0:
+                by_proposer.setdefault(self._proposer_of[s.seq_id], []).append(i)
+        for name, idx in by_proposer.items():
+            props = self.proposers[name].propose(
+                [ProposeRequest(batch[i].seq_id, list(batch[i].tokens), ks[i], batch[i].params) for i in idx])
+            for i, p in zip(idx, props):
+                drafts[i] = (p.token_ids, p.probs)
+        results = self.verifier.verify([VerifyRequest(s.seq_id, list(s.tokens), d, q, s.params)
+                                        for s, (d, q) in zip(batch, drafts)])
+        out = []
+        for s, r in zip(batch, results):
+            delta = s.commit(r)
+            out.append((s, delta))
+            if s.finished:
+                self.active.remove(s)
+                self._release(s.seq_id)
+        return out
+
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
+                 num_speculative_tokens: int | None = None, proposer: str | None = None) -> list[Completion]:
+        """Run prompts to completion, batched; returns completions in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp, num_speculative_tokens, proposer) for p, sp in zip(prompts, plist)]
+        while any(not s.finished for s in seqs):
+            self.step()
+        return [completion(s) for s in seqs]
+
+    def stats(self) -> dict:
+        bs = list(self.verifier.batch_sizes)
+        return {"verifier_passes": self.verifier.passes,
+                "mean_batch_size": sum(bs) / len(bs) if bs else 0.0, "max_batch_size": max(bs, default=0)}
+
+
+def completion(s: Sequence) -> Completion:
+    return Completion(s.seq_id, s.text, list(s.output_ids), s.finish_reason, s.metrics)
+
+
+def summarize(completions: list[Completion]) -> dict:
+    return aggregate([c.metrics for c in completions])

@@ -1,0 +1,41 @@
+"""The messages between whoever drives the rounds and the proposer / verifier.
+
+Plain dataclasses so they cross process boundaries (Ray) unchanged. Every request carries the
+sequence's full token list: drafter and verifier caches are soft state rebuilt from it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from specdec.sampling import SamplingParams
+
+
+@dataclass
+class ProposeRequest:
+    seq_id: str  # stable id of the sequence (the request id)
+    tokens: list[int]  # prompt + output so far, authoritative
+    num_speculative_tokens: int  # K for this round (0 = propose nothing)
+    params: SamplingParams  # the request's sampling settings (q uses the same transform as p)
+
+
+@dataclass
+class Proposal:
+    token_ids: list[int]  # the K draft tokens
+    probs: Tensor | None  # [K, V] draft distributions q; None = one-hot at token_ids
+
+
+@dataclass
+class VerifyRequest:
+    seq_id: str
+    tokens: list[int]  # prompt + output so far, authoritative
+    draft_token_ids: list[int]  # K proposed tokens (may be empty: plain decoding)
+    draft_probs: Tensor | None  # [K, V] or None for one-hot q
+    params: SamplingParams
+
+
+@dataclass
+class VerifyResult:
+    token_ids: list[int]  # accepted drafts followed by one recovered or bonus token
+    num_accepted: int  # drafts accepted (len(token_ids) - 1)
+    num_drafted: int  # K of this round

@@ -1,0 +1,77 @@
+"""The rejection sampler: turns draft proposals and verifier probabilities into output tokens.
+
+Vocabulary (as in vLLM):
+- `num_speculative_tokens` (K): drafts proposed for a request this round; may differ per request.
+- accepted token: a draft token x_i kept with probability min(1, p_i(x_i) / q_i(x_i)).
+- recovered token: at the first rejection, a token drawn from norm(max(0, p_i - q_i)) instead.
+- bonus token: when all K drafts are accepted, one more token drawn from p_{K+1}.
+
+So every request emits between 1 and K+1 tokens per verifier pass, and the emitted tokens are
+distributed exactly as if sampled from p one at a time (Leviathan et al. 2023, Chen et al. 2023).
+Greedy requests accept the longest prefix equal to the verifier's argmax, then emit its argmax.
+
+The batch is ragged: draft ids are flat [sum K_i] with per-request counts; target rows are flat
+[sum (K_i + 1)]; the output is padded [B, max K_i + 1] with PLACEHOLDER_TOKEN_ID.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+PLACEHOLDER_TOKEN_ID = -1
+
+
+def rejection_sample(
+    draft_token_ids: Tensor,  # [N] flat, N = sum(num_draft_tokens)
+    num_draft_tokens: list[int],  # [B]
+    draft_probs: list[Tensor | None],  # per request [K_i, V]; None = one-hot q (greedy draft, n-gram)
+    target: Tensor,  # [N + B, V]: probabilities, or for greedy requests anything whose argmax is p's
+    greedy: list[bool],  # [B]
+    generators: list[torch.Generator | None],  # [B], used by sampled requests only
+) -> Tensor:
+    B = len(num_draft_tokens)
+    out = torch.full((B, max(num_draft_tokens, default=0) + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+    d0 = t0 = 0
+    for b, k in enumerate(num_draft_tokens):
+        drafts = draft_token_ids[d0 : d0 + k]  # [K]
+        rows = target[t0 : t0 + k + 1]  # [K+1, V]
+        if greedy[b]:
+            tokens = _greedy(drafts, rows)
+        else:
+            tokens = _sampled(drafts, draft_probs[b], rows, generators[b])
+        out[b, : len(tokens)] = tokens
+        d0, t0 = d0 + k, t0 + k + 1
+    return out
+
+
+def _greedy(drafts: Tensor, rows: Tensor) -> Tensor:
+    best = rows.argmax(dim=-1)  # [K+1]
+    k = len(drafts)
+    mismatch = (drafts != best[:k]).nonzero()
+    n = int(mismatch[0]) if len(mismatch) else k  # accepted drafts
+    return best[: n + 1]  # accepted tokens equal the argmax, then the recovered or bonus argmax
+
+
+def _sampled(drafts: Tensor, q: Tensor | None, p: Tensor, gen: torch.Generator | None) -> Tensor:
+    k = len(drafts)
+    idx = torch.arange(k, device=p.device)
+    drafts = drafts.to(p.device)
+    q = q.to(p.device) if q is not None else None  # the drafter may live on another device
+    p_d = p[idx, drafts]  # [K] p_i(x_i)
+    q_d = q[idx, drafts] if q is not None else torch.ones(k, device=p.device)  # [K] q_i(x_i)
+    u = torch.rand(k, generator=gen, device=p.device)
+    # u * q < p  <=>  u < p / q, without dividing by a zero q
+    rejected = (u * q_d >= p_d).nonzero()
+    n = int(rejected[0]) if len(rejected) else k
+    if n < k:
+        residual = p[n].clone()
+        if q is not None:
+            residual = (residual - q[n]).clamp_min_(0.0)
+        else:
+            residual[drafts[n]] = 0.0
+        if residual.sum() <= 0:  # only when p == q, where rejection has probability 0
+            residual = p[n]
+        last = torch.multinomial(residual, 1, generator=gen)
+    else:
+        last = torch.multinomial(p[k], 1, generator=gen)  # bonus
+    return torch.cat([drafts[:n], last])

@@ -1,0 +1,119 @@
+"""A request being generated: its authoritative token list, stop rules and streamed text.
+
+Whoever drives rounds (the in-process engine, or the Serve ingress) owns these; drafter and
+verifier only ever see copies of `tokens`."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from specdec.metrics import SpecMetrics
+from specdec.models.runner import ContextLengthError
+from specdec.protocol import VerifyResult
+from specdec.sampling import SamplingParams
+
+
+@dataclass
+class Delta:
+    """What one round added to a sequence's output."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    num_speculative_tokens: int  # K requested for this sequence (0 = plain decoding)
+    max_len: int  # context window: prompt + output never exceed it
+    eos_token_ids: set[int] = field(default_factory=set)
+    decode: object = None  # callable(list[int]) -> str, needed for text and stop strings
+    tokens: list[int] = field(init=False)
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""  # output text emitted so far (never past a stop string)
+    finish_reason: str | None = None
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+
+    def __post_init__(self):
+        if not self.prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(self.prompt_ids) >= self.max_len:
+            raise ContextLengthError(
+                f"prompt has {len(self.prompt_ids)} tokens; the context window is {self.max_len} tokens")
+        self.tokens = list(self.prompt_ids)
+        self.metrics.num_prompt_tokens = len(self.prompt_ids)
+        self._stop_ids = set() if self.params.ignore_eos else set(self.eos_token_ids)
+        self._stop_ids |= set(self.params.stop_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def room(self) -> int:
+        """Tokens this sequence may still emit."""
+        return min(self.params.max_tokens - len(self.output_ids), self.max_len - len(self.tokens))
+
+    def draft_budget(self, k: int | None = None) -> int:
+        """Drafts worth proposing this round: never more than can still be emitted after the
+        verifier's own token, so no pass is spent on tokens that would be cut off."""
+        k = self.num_speculative_tokens if k is None else k
+        return max(0, min(k, self.room() - 1))
+
+    def commit(self, result: VerifyResult) -> Delta:
+        self.metrics.record_round(result.num_drafted, result.num_accepted)
+        new: list[int] = []
+        for tok in result.token_ids:
+            if tok in self._stop_ids:
+                self.finish_reason = "stop"
+                break
+            new.append(tok)
+            if len(new) >= self.room():
+                self.finish_reason = "length"
+                break
+        self.output_ids.extend(new)
+        self.tokens.extend(new)
+        text = self._advance_text(len(new))
+        now = time.perf_counter()
+        if self.metrics.t_first_token is None and (new or self.finished):
+            self.metrics.t_first_token = now
+        self.metrics.num_output_tokens = len(self.output_ids)
+        if self.finished:
+            self.metrics.t_finish = now
+        return Delta(new, text, self.finished, self.finish_reason)
+
+    def _stop_at(self, text: str) -> int:
+        start = max(0, len(self.text) - max(map(len, self.params.stop)))
+        hits = [i for i in (text.find(s, start) for s in self.params.stop) if i >= 0]
+        return min(hits) if hits else -1
+
+    def _advance_text(self, n_new: int) -> str:
+        if self.decode is None:
+            return ""
+        full = self.decode(self.output_ids)
+        stops = self.params.stop
+        if stops and (cut := self._stop_at(full)) >= 0:
+            # drop the tokens after the one that completed the stop string: never emit past a stop
+            first = len(self.output_ids) - n_new
+            n = next(n for n in range(first + 1, len(self.output_ids) + 1) if self._stop_at(self.decode(self.output_ids[:n])) >= 0)
+            dropped = len(self.output_ids) - n
+            del self.output_ids[n:]
+            if dropped:
+                del self.tokens[-dropped:]
+            full = full[:cut]
+            self.finish_reason = "stop"
+        end = len(full)
+        if not self.finished:
+            if full.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
+                end = len(full.rstrip("\ufffd"))
+            for s in stops:  # hold back a tail that may turn out to start a stop string
+                for n in range(min(len(s) - 1, end), 0, -1):
+                    if full[:end].endswith(s[:n]):
+                        end -= n
+                        break
+        end = max(end, len(self.text))
+        delta, self.text = full[len(self.text) : end], full[:end]
+        return delta

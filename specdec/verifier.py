@@ -1,0 +1,51 @@
+"""The verifier: one batched forward pass over every sequence's proposals, then rejection sampling."""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from specdec.models.runner import ModelRunner
+from specdec.protocol import VerifyRequest, VerifyResult
+from specdec.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
+from specdec.sampling import logits_to_probs, round_generator
+
+
+class Verifier:
+    def __init__(self, runner: ModelRunner, history: int = 4096):
+        self.runner = runner
+        self.batch_sizes: deque[int] = deque(maxlen=history)  # sequences per verifier pass
+        self.passes = 0  # verifier forward passes (verify rounds) so far
+        self.busy_s = 0.0  # time spent inside verify()
+
+    def free(self, seq_id: str) -> None:
+        self.runner.free(seq_id)
+
+    @torch.no_grad()
+    def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
+        t0 = time.perf_counter()
+        ids = [r.seq_id for r in requests]
+        ks = [len(r.draft_token_ids) for r in requests]
+        last = self.runner.catch_up(ids, [r.tokens for r in requests], [k + 1 for k in ks])
+        inputs = [[t] + r.draft_token_ids for t, r in zip(last, requests)]  # [B, K_i + 1] ragged
+        hidden, valid = self.runner.forward(ids, inputs)  # [B, T, dim]
+        logits = self.runner.model.logits(hidden[valid])  # [sum(K_i + 1), V], only the real rows
+        rows, r0 = [], 0
+        for r, k in zip(requests, ks):
+            block = logits[r0 : r0 + k + 1]
+            rows.append(block if r.params.greedy else logits_to_probs(block, r.params))
+            r0 += k + 1
+        gens = [None if r.params.greedy else round_generator(r.params.seed, len(r.tokens), "verify", self.runner.device)
+                for r in requests]
+        drafts = torch.tensor([t for r in requests for t in r.draft_token_ids], dtype=torch.long, device=logits.device)
+        out = rejection_sample(drafts, ks, [r.draft_probs for r in requests], torch.cat(rows),
+                               [r.params.greedy for r in requests], gens)
+        results = []
+        for b, k in enumerate(ks):
+            toks = [int(t) for t in out[b] if t != PLACEHOLDER_TOKEN_ID]
+            results.append(VerifyResult(toks, len(toks) - 1, k))
+        self.passes += 1
+        self.batch_sizes.append(len(requests))
+        self.busy_s += time.perf_counter() - t0
+        return results
