@@ -123,7 +123,8 @@ class SpecEngine:
                 by_proposer.setdefault(self._proposer_of[s.seq_id], []).append(i)
         for name, idx in by_proposer.items():
             props = self.proposers[name].propose(
-                [ProposeRequest(batch[i].seq_id, list(batch[i].tokens), ks[i], batch[i].params) for i in idx])
+                [ProposeRequest(batch[i].seq_id, list(batch[i].tokens), ks[i], batch[i].params, batch[i].feature)
+                 for i in idx])
             for i, p in zip(idx, props):
                 drafts[i] = (p.token_ids, p.probs)
         results = self.verifier.verify([VerifyRequest(s.seq_id, list(s.tokens), d, q, s.params)

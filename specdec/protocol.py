@@ -17,6 +17,7 @@ class ProposeRequest:
     tokens: list[int]  # prompt + output so far, authoritative
     num_speculative_tokens: int  # K for this round (0 = propose nothing)
     params: SamplingParams  # the request's sampling settings (q uses the same transform as p)
+    feature: Tensor | None = None  # [dim] verifier hidden state that predicted tokens[-1] (EAGLE-style heads)
 
 
 @dataclass
@@ -39,3 +40,4 @@ class VerifyResult:
     token_ids: list[int]  # accepted drafts followed by one recovered or bonus token
     num_accepted: int  # drafts accepted (len(token_ids) - 1)
     num_drafted: int  # K of this round
+    feature: Tensor | None = None  # [dim] verifier hidden state that predicted the last emitted token

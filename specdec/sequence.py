@@ -37,6 +37,7 @@ class Sequence:
     text: str = ""  # output text emitted so far (never past a stop string)
     finish_reason: str | None = None
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    feature: object = None  # verifier feature that predicted tokens[-1] (None until the first pass)
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -76,6 +77,7 @@ class Sequence:
                 break
         self.output_ids.extend(new)
         self.tokens.extend(new)
+        self.feature = result.feature if len(new) == len(result.token_ids) else None
         text = self._advance_text(len(new))
         now = time.perf_counter()
         if self.metrics.t_first_token is None and (new or self.finished):

@@ -30,7 +30,8 @@ class Verifier:
         last = self.runner.catch_up(ids, [r.tokens for r in requests], [k + 1 for k in ks])
         inputs = [[t] + r.draft_token_ids for t, r in zip(last, requests)]  # [B, K_i + 1] ragged
         hidden, valid = self.runner.forward(ids, inputs)  # [B, T, dim]
-        logits = self.runner.model.logits(hidden[valid])  # [sum(K_i + 1), V], only the real rows
+        hidden = hidden[valid]  # [sum(K_i + 1), dim], only the real rows
+        logits = self.runner.model.logits(hidden)  # [sum(K_i + 1), V]
         rows, r0 = [], 0
         for r, k in zip(requests, ks):
             block = logits[r0 : r0 + k + 1]
@@ -41,10 +42,13 @@ class Verifier:
         drafts = torch.tensor([t for r in requests for t in r.draft_token_ids], dtype=torch.long, device=logits.device)
         out = rejection_sample(drafts, ks, [r.draft_probs for r in requests], torch.cat(rows),
                                [r.params.greedy for r in requests], gens)
-        results = []
+        results, r0 = [], 0
         for b, k in enumerate(ks):
             toks = [int(t) for t in out[b] if t != PLACEHOLDER_TOKEN_ID]
-            results.append(VerifyResult(toks, len(toks) - 1, k))
+            n = len(toks) - 1
+            # row n of this request produced its last token; its feature seeds the next draft
+            results.append(VerifyResult(toks, n, k, hidden[r0 + n].float().cpu().clone()))
+            r0 += k + 1
         self.passes += 1
         self.batch_sizes.append(len(requests))
         self.busy_s += time.perf_counter() - t0

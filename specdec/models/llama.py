@@ -160,18 +160,20 @@ class Transformer(nn.Module):
         return self._rope_cache
 
     def forward(self, tokens: Tensor, batch: BatchIndex, caches: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """tokens: [B, T] padded; returns final hidden states [B, T, dim] (no LM head: the caller
-        picks the rows it needs first, because the LM head is the most expensive matmul)."""
+        """tokens: [B, T] padded; returns the last layer's hidden states [B, T, dim], before the
+        final norm (EAGLE-style draft heads read these features). No LM head here: the caller
+        picks the rows it needs first, because the LM head is the most expensive matmul."""
         x = self.embed(tokens)
         cos_t, sin_t = self.rope_tables(x.device, x.dtype)
         cos = cos_t[batch.rope_pos].unsqueeze(2)  # [B, T, 1, hd]
         sin = sin_t[batch.rope_pos].unsqueeze(2)
         for layer, (kc, vc) in zip(self.layers, caches):
             x = layer(x, cos, sin, LayerKV(kc, vc, batch), batch.mask)
-        return self.norm(x)
+        return x
 
     def logits(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden).float()
+        """Final norm and LM head over pre-norm hidden states [..., dim] -> [..., V] fp32."""
+        return self.lm_head(self.norm(hidden)).float()
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, Tensor]) -> None:

@@ -1,0 +1,83 @@
+"""`specdec` command line: fetch, generate, bench, train-draft."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verifier", default="default", help="'default', 'tiny[:opts]', an HF dir or a .gguf")
+    p.add_argument("--draft", default="default", help="'default', 'ngram', 'none', 'tiny[:opts]' or a model path")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens per round; 0 = plain decoding")
+    p.add_argument("--adaptive", action="store_true", help="choose K per round from measured acceptance and cost")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+
+
+def engine_config(a: argparse.Namespace):
+    from specdec.config import EngineConfig
+
+    return EngineConfig(verifier=a.verifier, draft="none" if a.k == 0 and a.draft == "default" else a.draft,
+                        num_speculative_tokens=a.k, adaptive=a.adaptive, device=a.device, dtype=a.dtype,
+                        num_threads=a.threads, max_model_len=a.max_model_len, max_seqs=4)
+
+
+def cmd_fetch(a) -> int:
+    from specdec.models.default import default_verifier_dir
+
+    print(default_verifier_dir(progress=True))
+    return 0
+
+
+def cmd_generate(a) -> int:
+    from specdec.engine import SpecEngine
+    from specdec.sampling import SamplingParams
+
+    engine = SpecEngine.from_config(engine_config(a))
+    prompt = [{"role": "user", "content": a.prompt}] if not a.raw else a.prompt
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                            seed=a.seed, stop=a.stop or [])
+    c = engine.generate([prompt], params)[0]
+    m = c.metrics.to_dict()
+    if a.json:
+        print(json.dumps({"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason, "metrics": m}))
+    else:
+        print(c.text)
+        print("\n--- speculation ---", file=sys.stderr)
+        for k in ("num_output_tokens", "num_drafted", "num_accepted", "acceptance_rate", "mean_accepted_length",
+                  "accepted_per_position", "num_verifier_passes", "tokens_per_s", "ttft_s", "ms_per_output_token"):
+            print(f"{k:>22}: {m[k]}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("fetch", help="download and convert the embedded default verifier").set_defaults(fn=cmd_fetch)
+    g = sub.add_parser("generate", help="generate with speculative decoding in this process")
+    _engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--raw", action="store_true", help="use the prompt as-is instead of the chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(fn=cmd_generate)
+    b = sub.add_parser("bench", help="speculation benchmark (see specdec.bench)", add_help=False)
+    b.set_defaults(fn=lambda a: __import__("specdec.bench", fromlist=["main"]).main(a.rest))
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    t = sub.add_parser("train-draft", help="make data and train the default draft head", add_help=False)
+    t.set_defaults(fn=lambda a: __import__("specdec.train_draft", fromlist=["main"]).main(a.rest))
+    t.add_argument("rest", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+    return a.fn(a) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    from specdec.models.tiny import build_tiny
+
+    return build_tiny(seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tok():
+    from specdec.models.tiny import tiny_tokenizer
+    from specdec.tokenizer import TextTokenizer
+
+    return TextTokenizer(tiny_tokenizer())
+
+
+def make_engine(target, draft=None, k=4, tok=None, max_seqs=16, max_len=512, max_batch=16, proposer=None):
+    from specdec.config import EngineConfig
+    from specdec.engine import SpecEngine
+    from specdec.models.runner import ModelRunner
+    from specdec.proposers import DraftModelProposer
+    from specdec.verifier import Verifier
+
+    if proposer is None and draft is not None:
+        proposer = DraftModelProposer(ModelRunner(draft, max_seqs, max_len))
+    cfg = EngineConfig(num_speculative_tokens=k, max_batch_size=max_batch)
+    return SpecEngine(Verifier(ModelRunner(target, max_seqs, max_len)), proposer, tok, cfg)
+
+
+def ragged_prompts(n=8, seed=0, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (3 + 5 * i,), generator=g).tolist() for i in range(n)]
