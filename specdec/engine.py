@@ -12,8 +12,9 @@ import torch
 from specdec.config import EngineConfig
 from specdec.metrics import SpecMetrics, aggregate
 from specdec.models.runner import ModelRunner
-from specdec.protocol import ProposeRequest, VerifyRequest
+from specdec.adaptive import AdaptiveK
 from specdec.proposers import DraftModelProposer, NgramProposer, Proposer
+from specdec.rounds import Round, timed
 from specdec.sampling import SamplingParams
 from specdec.sequence import Delta, Sequence
 from specdec.tokenizer import TextTokenizer
@@ -66,6 +67,7 @@ class SpecEngine:
         self.active: list[Sequence] = []
         self._proposer_of: dict[str, str | None] = {}
         self._ids = itertools.count()
+        self.adaptive = AdaptiveK(k_max=max(self.cfg.num_speculative_tokens, 1)) if self.cfg.adaptive else None
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "SpecEngine":
@@ -115,24 +117,13 @@ class SpecEngine:
         batch = self.active[: self.cfg.max_batch_size]
         if not batch:
             return []
-        ks = [s.draft_budget() for s in batch]
-        drafts = [([], None)] * len(batch)
-        by_proposer: dict[str, list[int]] = {}
-        for i, (s, k) in enumerate(zip(batch, ks)):
-            if k > 0:
-                by_proposer.setdefault(self._proposer_of[s.seq_id], []).append(i)
-        for name, idx in by_proposer.items():
-            props = self.proposers[name].propose(
-                [ProposeRequest(batch[i].seq_id, list(batch[i].tokens), ks[i], batch[i].params, batch[i].feature)
-                 for i in idx])
-            for i, p in zip(idx, props):
-                drafts[i] = (p.token_ids, p.probs)
-        results = self.verifier.verify([VerifyRequest(s.seq_id, list(s.tokens), d, q, s.params)
-                                        for s, (d, q) in zip(batch, drafts)])
-        out = []
-        for s, r in zip(batch, results):
-            delta = s.commit(r)
-            out.append((s, delta))
+        rnd = Round(batch, self._proposer_of, self.adaptive)
+        for name, (idx, reqs) in rnd.propose_requests().items():
+            props, secs = timed(self.proposers[name].propose, reqs)
+            rnd.set_proposals(idx, props, secs)
+        results, secs = timed(self.verifier.verify, rnd.verify_requests())
+        out = rnd.commit(results, secs)
+        for s, _ in out:
             if s.finished:
                 self.active.remove(s)
                 self._release(s.seq_id)

@@ -1,0 +1,1 @@
+"""Ray Serve layer over `specdec`: Drafter, Verifier and an OpenAI-compatible Ingress."""

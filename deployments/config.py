@@ -1,0 +1,38 @@
+"""Application arguments (the `args:` of serve_config.yaml), validated by pydantic."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str = Field("SmolLM2-135M-Instruct", description="Model id clients send as `model`; listed by /v1/models.")
+    verifier: str = Field("default", description="Verifier model: 'default' (embedded SmolLM2), 'tiny[:opts]', an HF dir or a .gguf.")
+    draft: str = Field("default", description="Draft for the Drafter: 'default' (shipped head), 'tiny[:opts]', a model path, or 'none'.")
+    num_speculative_tokens: int = Field(4, ge=0, le=16, description="Default K per round; requests may lower or raise it up to max_speculative_tokens.")
+    max_speculative_tokens: int = Field(8, ge=0, le=16, description="Largest K a request may ask for.")
+    adaptive: bool = Field(True, description="Choose K each round from measured acceptance, load and cost (0 when speculation does not pay).")
+    default_proposer: str = Field("draft", description="Proposer used when a request names none: 'draft', 'ngram' or 'none'.")
+    device: str = Field("cpu", description="Torch device of the model replicas: 'cpu', 'cuda' or 'auto'.")
+    dtype: str = Field("float32", description="Weights dtype: 'float32', 'bfloat16' or 'float16'.")
+    num_threads: int = Field(0, ge=0, description="torch CPU threads per model replica (0 = torch default).")
+    max_model_len: int = Field(2048, ge=16, description="Context window: prompt + completion tokens.")
+    max_seqs: int = Field(32, ge=1, description="KV-cache slots per model replica; least recently used sequences are evicted beyond it.")
+    max_batch_size: int = Field(16, ge=1, description="Sequences per verifier pass.")
+    max_queue: int = Field(64, ge=1, description="Requests in flight per ingress replica before new ones get 429.")
+    num_shards: int = Field(1, ge=1, description="Sequence groups per ingress; each group sticks to one drafter and one verifier replica.")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none (capped by the context left).")
+    request_timeout_s: float = Field(300.0, gt=0, description="A request still running after this long ends with a timeout error.")
+    api_keys_env: str | None = Field("SPECDEC_API_KEYS", description="Environment variable with comma-separated API keys; unset or empty = no auth.")
+    api_keys_file: str | None = Field(None, description="File with one API key per line (added to those from api_keys_env).")
+    rate_limit: str | None = Field(None, description="Per-key rate limit in `limits` notation, e.g. '60/minute'; None = unlimited.")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, app: int = 0) -> "AppArgs":
+        """The args of one application in a Serve config file."""
+        cfg = yaml.safe_load(Path(path).read_text())
+        return cls(**(cfg["applications"][app].get("args") or {}))

@@ -1,0 +1,106 @@
+"""Drafter and Verifier deployments: thin wrappers over specdec's proposer and verifier.
+
+Both hold per-sequence KV caches as soft state (rebuilt from the token list on a miss), so a
+replica can be evicted, restarted or replaced without losing a request."""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import ray
+from ray import serve
+
+from deployments.config import AppArgs
+
+
+def _engine_config(args: AppArgs):
+    import torch
+
+    from specdec.config import EngineConfig
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    return EngineConfig(verifier=args.verifier, draft=args.draft, device=args.device, dtype=args.dtype,
+                        max_seqs=args.max_seqs, max_model_len=args.max_model_len, progress=False)
+
+
+class _Replica:
+    """What both deployments share: a lock (Serve may call sync methods from several threads,
+    and a runner's slot table is not thread-safe) and where the replica runs."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+
+    def where(self) -> dict:
+        ctx = serve.get_replica_context()
+        return {"node_id": ray.get_runtime_context().get_node_id(), "replica": ctx.replica_tag, "pid": os.getpid()}
+
+    @serve.multiplexed(max_num_models_per_replica=64)
+    async def _shard(self, shard: str) -> str:
+        # sequences are grouped into shards routed as multiplexed "models": Serve sends a shard
+        # back to the replica that served it before, which is where its caches are
+        return shard
+
+    async def _run(self, fn, *a):
+        """Model compute off the event loop (health checks keep answering), one call at a time."""
+        def locked():
+            with self._lock:
+                return fn(*a)
+
+        return await asyncio.to_thread(locked)
+
+    async def _touch_shard(self) -> None:
+        shard = serve.get_multiplexed_model_id()
+        if shard:
+            await self._shard(shard)
+
+
+@serve.deployment(name="Drafter", max_ongoing_requests=16)
+class Drafter(_Replica):
+    def __init__(self, args: dict):
+        super().__init__()
+        from specdec.engine import build_proposer
+
+        self.args = AppArgs(**args)
+        self.proposer = build_proposer(self.args.draft, _engine_config(self.args))
+        self.calls = 0
+
+    async def propose(self, requests):
+        await self._touch_shard()
+        self.calls += 1
+        return await self._run(self.proposer.propose, requests)
+
+    def free(self, seq_ids: list[str]) -> None:
+        with self._lock:
+            for s in seq_ids:
+                self.proposer.free(s)
+
+    def stats(self) -> dict:
+        runner = getattr(self.proposer, "runner", None)
+        return {**self.where(), "calls": self.calls, "proposer": self.proposer.name,
+                "resident_sequences": sorted(runner.slots) if runner else []}
+
+
+@serve.deployment(name="Verifier", max_ongoing_requests=16)
+class Verifier(_Replica):
+    def __init__(self, args: dict):
+        super().__init__()
+        from specdec.engine import build_verifier
+
+        self.args = AppArgs(**args)
+        self.verifier = build_verifier(_engine_config(self.args))
+
+    async def verify(self, requests):
+        await self._touch_shard()
+        return await self._run(self.verifier.verify, requests)
+
+    def free(self, seq_ids: list[str]) -> None:
+        with self._lock:
+            for s in seq_ids:
+                self.verifier.free(s)
+
+    def stats(self) -> dict:
+        v = self.verifier
+        return {**self.where(), "passes": v.passes, "batch_sizes": list(v.batch_sizes), "busy_s": v.busy_s,
+                "resident_sequences": sorted(v.runner.slots), "evictions": v.runner.evictions}

@@ -1,0 +1,1 @@
+"""Training data for draft heads: chat prompts built in code (see `prompts`)."""

@@ -1,0 +1,58 @@
+"""One speculative round for a batch of sequences, independent of where the models run.
+
+The in-process engine calls proposer and verifier directly; the Serve ingress calls remote
+replicas. Both use this: plan K per sequence, build the propose and verify requests, commit."""
+from __future__ import annotations
+
+import time
+
+from specdec.adaptive import AdaptiveK
+from specdec.protocol import Proposal, ProposeRequest, VerifyRequest, VerifyResult
+from specdec.sequence import Delta, Sequence
+
+
+class Round:
+    def __init__(self, batch: list[Sequence], proposer_of: dict[str, str | None], adaptive: AdaptiveK | None):
+        self.batch = batch
+        self.adaptive = adaptive
+        self.proposer_of = proposer_of
+        budgets = [s.draft_budget() if proposer_of.get(s.seq_id) else 0 for s in batch]
+        if adaptive is not None:
+            acc = [adaptive.acceptance(s.metrics.num_accepted, s.metrics.num_drafted) for s in batch]
+            budgets = adaptive.choose(acc, budgets)
+        self.ks = budgets
+        self.drafts: list[Proposal] = [Proposal([], None) for _ in batch]
+        self.t_draft = 0.0
+
+    def propose_requests(self) -> dict[str, tuple[list[int], list[ProposeRequest]]]:
+        """Requests per proposer name: (batch indices, requests)."""
+        groups: dict[str, tuple[list[int], list[ProposeRequest]]] = {}
+        for i, (s, k) in enumerate(zip(self.batch, self.ks)):
+            if k > 0:
+                idx, reqs = groups.setdefault(self.proposer_of[s.seq_id], ([], []))
+                idx.append(i)
+                reqs.append(ProposeRequest(s.seq_id, list(s.tokens), k, s.params, s.feature))
+        return groups
+
+    def set_proposals(self, idx: list[int], proposals: list[Proposal], seconds: float) -> None:
+        for i, p in zip(idx, proposals):
+            self.drafts[i] = p
+        self.t_draft += seconds
+        if self.adaptive is not None:
+            self.adaptive.observe_draft(len(idx), max((len(p.token_ids) for p in proposals), default=0), seconds)
+
+    def verify_requests(self) -> list[VerifyRequest]:
+        return [VerifyRequest(s.seq_id, list(s.tokens), d.token_ids, d.probs, s.params)
+                for s, d in zip(self.batch, self.drafts)]
+
+    def commit(self, results: list[VerifyResult], verify_seconds: float) -> list[tuple[Sequence, Delta]]:
+        if self.adaptive is not None:
+            self.adaptive.observe_verify(sum(r.num_drafted + 1 for r in results), verify_seconds)
+            self.adaptive.observe_round(sum(r.num_drafted for r in results), sum(r.num_accepted for r in results))
+        return [(s, s.commit(r)) for s, r in zip(self.batch, results)]
+
+
+def timed(fn, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
