@@ -1,0 +1,32 @@
+"""`build_app(args)`: the application builder named by serve_config.yaml's import_path."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from ray.serve import Application
+
+from deployments.config import AppArgs
+from deployments.ingress import OpenAIIngress
+from deployments.replicas import Drafter, Verifier
+
+
+def build_app(args: dict | None = None, deployment_options: dict[str, dict] | None = None) -> Application:
+    """Verifier + Drafter (unless draft is 'none') behind the OpenAI ingress.
+    `deployment_options` ({name: Deployment.options kwargs}) is for callers that run the app
+    from Python; `serve run` applies the config file's `deployments:` section itself."""
+    a = AppArgs(**(args or {}))
+    opts = deployment_options or {}
+    kw = a.model_dump()
+    verifier = Verifier.options(**opts.get("Verifier", {})).bind(kw)
+    drafter = Drafter.options(**opts.get("Drafter", {})).bind(kw) if a.draft != "none" else None
+    return OpenAIIngress.options(**opts.get("OpenAIIngress", {})).bind(kw, drafter, verifier)
+
+
+def app_from_config(path: str | Path, app: int = 0, args_override: dict | None = None) -> tuple[Application, dict]:
+    """Build one application of a Serve config file the way `serve run` would (args and the
+    per-deployment options), for tests and scripts that start Serve in-process."""
+    cfg = yaml.safe_load(Path(path).read_text())["applications"][app]
+    args = {**(cfg.get("args") or {}), **(args_override or {})}
+    opts = {d["name"]: {k: v for k, v in d.items() if k != "name"} for d in cfg.get("deployments", [])}
+    return build_app(args, opts), cfg

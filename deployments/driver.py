@@ -1,0 +1,159 @@
+"""The continuous-batching round loop that drives remote Drafter and Verifier replicas.
+
+Each shard (a group of sequences that sticks to one drafter and one verifier replica, routed as
+a Serve multiplexed id) runs its own loop: every round takes the shard's active sequences (up to
+max_batch_size), asks the Drafter for all of their proposals in one call, asks the Verifier to
+check all of them in one pass, and commits. Users join and leave between rounds, so a lone user
+never waits for a batch to fill. The loop holds the authoritative token lists; replicas only
+cache, so a failed or replaced replica costs a recompute, never a token."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from dataclasses import dataclass, field
+
+from specdec.adaptive import AdaptiveK
+from specdec.protocol import Proposal
+from specdec.proposers import NgramProposer
+from specdec.rounds import Round
+from specdec.sequence import Delta, Sequence
+
+from deployments.openai_protocol import APIError
+
+log = logging.getLogger("ray.serve")
+
+
+@dataclass
+class Entry:
+    seq: Sequence
+    deadline: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # Delta or APIError items
+    shard: str = ""
+    proposer: str | None = None  # 'draft' (the Drafter deployment), 'ngram' (local) or None
+    aborted: bool = False
+
+
+class RoundLoop:
+    def __init__(self, drafter, verifier, max_batch_size: int, num_shards: int = 1, adaptive: AdaptiveK | None = None,
+                 verify_retries: int = 3):
+        self.drafter, self.verifier = drafter, verifier
+        self.max_batch_size, self.num_shards = max_batch_size, num_shards
+        self.adaptive = adaptive
+        self.verify_retries = verify_retries
+        self.local = {"ngram": NgramProposer()}  # needs no model: runs right here
+        self.proposer_of: dict[str, str | None] = {}
+        self.shards: dict[str, list[Entry]] = {}
+        self._wake: dict[str, asyncio.Event] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+        self.rounds = 0
+        self.drafter_failures = 0
+        self.verifier_failures = 0
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(v) for v in self.shards.values())
+
+    def submit(self, seq: Sequence, proposer: str | None, timeout_s: float) -> Entry:
+        shard = f"shard-{zlib.crc32(seq.seq_id.encode()) % self.num_shards}"
+        e = Entry(seq, time.monotonic() + timeout_s, shard=shard, proposer=proposer)
+        self.proposer_of[seq.seq_id] = proposer
+        self.shards.setdefault(shard, []).append(e)
+        self._wake.setdefault(shard, asyncio.Event()).set()
+        task = self._tasks.get(shard)
+        if task is None or task.done():
+            self._tasks[shard] = asyncio.get_running_loop().create_task(self._shard_loop(shard))
+        return e
+
+    def abort(self, e: Entry) -> None:
+        """Client went away or the request failed: stop generating and free its caches."""
+        entries = self.shards.get(e.shard, [])
+        if e in entries:
+            entries.remove(e)
+            e.aborted = True
+            self._free(e)
+
+    def _free(self, e: Entry) -> None:
+        self.proposer_of.pop(e.seq.seq_id, None)
+        ids = [e.seq.seq_id]
+        self.verifier.options(multiplexed_model_id=e.shard).free.remote(ids)
+        if e.proposer == "draft" and self.drafter is not None:
+            self.drafter.options(multiplexed_model_id=e.shard).free.remote(ids)
+
+    async def _shard_loop(self, shard: str) -> None:
+        entries, wake = self.shards[shard], self._wake[shard]
+        while True:
+            if not entries:
+                wake.clear()
+                await wake.wait()
+                continue
+            try:
+                await self._round(shard, entries[: self.max_batch_size])
+            except Exception as exc:  # never let one bad round kill the loop for everyone
+                log.exception("round failed")
+                for e in list(entries[: self.max_batch_size]):
+                    self._fail(e, APIError(500, f"internal error: {exc}", "server_error"))
+
+    async def _round(self, shard: str, batch: list[Entry]) -> None:
+        now = time.monotonic()
+        for e in [e for e in batch if now > e.deadline]:
+            self._fail(e, APIError(408, "request timed out", "timeout", code="timeout"))
+            batch.remove(e)
+        if not batch:
+            return
+        rnd = Round([e.seq for e in batch], self.proposer_of, self.adaptive)
+        for name, (idx, reqs) in rnd.propose_requests().items():
+            t0 = time.perf_counter()
+            rnd.set_proposals(idx, await self._propose(shard, name, reqs), time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        results = await self._verify(shard, rnd.verify_requests())
+        if results is None:
+            for e in batch:
+                self._fail(e, APIError(503, "verifier unavailable; retry later", "server_error",
+                                       code="service_unavailable", headers={"Retry-After": "2"}))
+            return
+        self.rounds += 1
+        for (seq, delta), e in zip(rnd.commit(results, time.perf_counter() - t0), batch):
+            if e.aborted:  # aborted while this round was in flight: its calls may have re-cached it
+                self._free(e)
+                continue
+            e.queue.put_nowait(delta)
+            if seq.finished:
+                self.shards[shard].remove(e)
+                self._free(e)
+
+    async def _propose(self, shard: str, name: str, reqs) -> list[Proposal]:
+        if name in self.local:
+            return self.local[name].propose(reqs)
+        try:
+            return await self.drafter.options(multiplexed_model_id=shard).propose.remote(reqs)
+        except Exception:  # a lost drafter costs speed, not correctness: verify without drafts
+            self.drafter_failures += 1
+            log.warning("drafter call failed; this round runs with K=0", exc_info=True)
+            return [Proposal([], None) for _ in reqs]
+
+    async def _verify(self, shard: str, reqs):
+        for attempt in range(self.verify_retries):
+            try:  # idempotent: a retry on another replica recomputes from the token lists
+                return await self.verifier.options(multiplexed_model_id=shard).verify.remote(reqs)
+            except Exception:
+                self.verifier_failures += 1
+                log.warning("verifier call failed (attempt %d)", attempt + 1, exc_info=True)
+                await asyncio.sleep(0.5 * 2**attempt)
+        return None
+
+    def _fail(self, e: Entry, err: APIError) -> None:
+        e.queue.put_nowait(err)
+        self.abort(e)
+
+    async def next_delta(self, e: Entry) -> Delta:
+        """The next block of output, or raises the request's APIError."""
+        try:
+            item = await asyncio.wait_for(e.queue.get(), timeout=max(0.1, e.deadline - time.monotonic()) + 5)
+        except asyncio.TimeoutError:
+            self.abort(e)
+            raise APIError(408, "request timed out", "timeout", code="timeout")
+        if isinstance(item, APIError):
+            raise item
+        return item

@@ -1,0 +1,255 @@
+"""The OpenAI-compatible HTTP ingress (no `from __future__ import annotations` here: FastAPI must see
+real types in route signatures): /v1/chat/completions, /v1/completions, /v1/models,
+/health and /metrics. It validates, authenticates and rate-limits, then hands sequences to the
+round loop, which batches all users into shared drafter and verifier calls."""
+
+import hmac
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deployments.config import AppArgs
+from deployments.driver import Entry, RoundLoop
+from deployments.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, new_id, now
+
+log = logging.getLogger("ray.serve")
+app = FastAPI(title="specdec", description="Speculative decoding with an OpenAI-compatible API")
+
+
+@app.exception_handler(APIError)
+async def _api_error(_, exc: APIError):
+    return exc.response()
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_, exc: RequestValidationError):
+    # OpenAI answers malformed parameters with 400 and names the offending one
+    err = exc.errors()[0] if exc.errors() else {}
+    loc = [str(x) for x in err.get("loc", []) if x != "body"]
+    msg = f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid request')}"
+    return APIError(400, msg, param=".".join(loc) or None, code="invalid_value").response()
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_, exc: StarletteHTTPException):
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return APIError(exc.status_code, str(exc.detail), kind).response()
+
+
+def load_api_keys(args: AppArgs) -> list[bytes]:
+    keys: list[str] = []
+    if args.api_keys_env:
+        keys += [k.strip() for k in os.environ.get(args.api_keys_env, "").split(",") if k.strip()]
+    if args.api_keys_file:
+        keys += [k.strip() for k in Path(args.api_keys_file).read_text().splitlines() if k.strip()]
+    return [k.encode() for k in keys]
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+@serve.deployment(name="OpenAIIngress", max_ongoing_requests=256)
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, args: dict, drafter, verifier):
+        from limits import parse
+        from limits.storage import MemoryStorage
+        from limits.strategies import MovingWindowRateLimiter
+
+        from specdec.adaptive import AdaptiveK
+        from specdec.models.loader import load_tokenizer
+        from specdec.tokenizer import TextTokenizer
+
+        from deployments.metrics import ServeMetrics
+
+        self.args = AppArgs(**args)
+        self.tok = TextTokenizer(load_tokenizer(self.args.verifier, progress=False))
+        self.keys = load_api_keys(self.args)
+        self.limiter = MovingWindowRateLimiter(MemoryStorage()) if self.args.rate_limit else None
+        self.limit = parse(self.args.rate_limit) if self.args.rate_limit else None
+        adaptive = AdaptiveK(k_max=self.args.max_speculative_tokens) if self.args.adaptive else None
+        self.loop = RoundLoop(drafter, verifier, self.args.max_batch_size, self.args.num_shards, adaptive)
+        self.has_drafter = drafter is not None
+        self.verifier_handle, self.drafter_handle = verifier, drafter
+        self.metrics = ServeMetrics()
+        self.created = now()
+
+    # -- checks ------------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> str:
+        if not self.keys:
+            return "anonymous"
+        header = request.headers.get("authorization", "")
+        given = header[7:].strip().encode() if header.lower().startswith("bearer ") else b""
+        ok = False
+        for k in self.keys:  # compare against every key, in constant time, whatever matches
+            ok |= hmac.compare_digest(given, k)
+        if not ok:
+            raise APIError(401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key")
+        return "key-" + str(hash(given))  # a bucket name for rate limiting; the key itself is never logged
+
+    def _admit(self, who: str) -> None:
+        if self.limiter is not None and not self.limiter.hit(self.limit, who):
+            reset = self.limiter.get_window_stats(self.limit, who).reset_time
+            raise APIError(429, f"rate limit of {self.args.rate_limit} exceeded", "rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(max(1, int(reset - time.time()) + 1))})
+        if self.loop.in_flight >= self.args.max_queue:
+            raise APIError(429, "server busy: too many requests in flight", "rate_limit_error",
+                           code="queue_full", headers={"Retry-After": "1"})
+
+    def _check_model(self, model: str) -> None:
+        if model != self.args.model_name:
+            raise APIError(404, f"model {model!r} does not exist; available: {self.args.model_name!r}",
+                           "invalid_request_error", param="model", code="model_not_found")
+
+    def _sequence(self, req, prompt_ids: list[int], max_tokens: int | None):
+        from specdec.sampling import SamplingParams
+        from specdec.sequence import Sequence
+
+        limit = self.args.max_model_len
+        if len(prompt_ids) >= limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
+                           f"{len(prompt_ids)} tokens", param="messages", code="context_length_exceeded")
+        room = limit - len(prompt_ids)
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"max_tokens={max_tokens} exceeds the {room} tokens left in the {limit}-token "
+                           f"context after a {len(prompt_ids)}-token prompt", param="max_tokens",
+                           code="context_length_exceeded")
+        proposer = req.proposer or self.args.default_proposer
+        if proposer == "draft" and not self.has_drafter:
+            proposer = "none" if req.proposer is None else None
+            if proposer is None:
+                raise APIError(400, "this deployment has no draft model", param="proposer")
+        k = self.args.num_speculative_tokens if req.num_speculative_tokens is None else req.num_speculative_tokens
+        if k > self.args.max_speculative_tokens:
+            raise APIError(400, f"num_speculative_tokens must be <= {self.args.max_speculative_tokens}",
+                           param="num_speculative_tokens")
+        if proposer == "none":
+            k = 0
+        params = SamplingParams(max_tokens=max_tokens or min(self.args.default_max_tokens, room),
+                                temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
+                                stop=req.stops(), ignore_eos=req.ignore_eos)
+        seq = Sequence(new_id("seq"), prompt_ids, params, k, limit, self.tok.eos_token_ids, self.tok.decode)
+        return seq, (proposer if k > 0 else None)
+
+    # -- routes ------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self):
+        return {"status": "ok", "in_flight": self.loop.in_flight}
+
+    @app.get("/metrics")
+    async def metrics(self):
+        self.metrics.in_flight.set(self.loop.in_flight)
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(self, request: Request):
+        self._authorize(request)
+        return {"object": "list", "data": [{"id": self.args.model_name, "object": "model", "created": self.created,
+                                             "owned_by": "specdec", "max_model_len": self.args.max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        who = self._authorize(request)
+        self._check_model(body.model)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        try:
+            ids = self.tok.chat(messages)
+        except Exception as exc:
+            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages")
+        seq, proposer = self._sequence(body, ids, body.max_completion_tokens or body.max_tokens)
+        self._admit(who)
+        return await self._respond(body, seq, proposer, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request):
+        who = self._authorize(request)
+        self._check_model(body.model)
+        ids = body.prompt if isinstance(body.prompt, list) else self.tok.encode(body.prompt)
+        if not ids:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if any(not 0 <= t < len(self.tok.hf) for t in ids):
+            raise APIError(400, "prompt contains token ids outside the vocabulary", param="prompt")
+        seq, proposer = self._sequence(body, list(ids), body.max_tokens)
+        self._admit(who)
+        return await self._respond(body, seq, proposer, chat=False)
+
+    # -- responses ---------------------------------------------------------------------------
+    async def _respond(self, body, seq, proposer, chat: bool):
+        entry = self.loop.submit(seq, proposer, self.args.request_timeout_s)
+        self.metrics.requests.inc()
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._stream(entry, rid, chat, include_usage), media_type="text/event-stream")
+        try:
+            while not (await self.loop.next_delta(entry)).finished:
+                pass
+        except BaseException:
+            self.loop.abort(entry)
+            raise
+        self._record(seq)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": seq.text}, "logprobs": None,
+                   "finish_reason": seq.finish_reason} if chat else
+                  {"index": 0, "text": seq.text, "logprobs": None, "finish_reason": seq.finish_reason})
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": now(), "model": self.args.model_name, "choices": [choice],
+                             "usage": self._usage(seq)},
+                            headers={"x-specdec-acceptance-rate": f"{seq.metrics.acceptance_rate:.4f}",
+                                     "x-specdec-mean-accepted-length": f"{seq.metrics.mean_accepted_length:.4f}"})
+
+    async def _stream(self, entry: Entry, rid: str, chat: bool, include_usage: bool):
+        seq = entry.seq
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return _sse({"id": rid, "object": obj, "created": now(), "model": self.args.model_name, "choices": [choice]})
+
+        try:
+            if chat:
+                yield chunk(None, None, first=True)
+            while True:
+                try:
+                    d = await self.loop.next_delta(entry)
+                except APIError as err:
+                    yield _sse(err.body())
+                    break
+                if d.text or d.finished:  # one chunk per accepted block
+                    yield chunk(d.text, d.finish_reason if d.finished else None)
+                if d.finished:
+                    self._record(seq)
+                    if include_usage:
+                        yield _sse({"id": rid, "object": obj, "created": now(), "model": self.args.model_name,
+                                    "choices": [], "usage": self._usage(seq)})
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not seq.finished:  # the client disconnected mid-stream: free its caches now
+                self.loop.abort(entry)
+                self.metrics.disconnects.inc()
+
+    def _usage(self, seq) -> dict:
+        return {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids),
+                "total_tokens": len(seq.prompt_ids) + len(seq.output_ids), "speculative": seq.metrics.to_dict()}
+
+    def _record(self, seq) -> None:
+        m = seq.metrics
+        self.metrics.observe(m.num_output_tokens, m.num_drafted, m.num_accepted, m.latency_s, m.ttft_s)
+
+    # -- for tests and operators -------------------------------------------------------------
+    async def loop_stats(self) -> dict:
+        return {"in_flight": self.loop.in_flight, "rounds": self.loop.rounds,
+                "drafter_failures": self.loop.drafter_failures, "verifier_failures": self.loop.verifier_failures}

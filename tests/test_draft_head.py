@@ -1,0 +1,115 @@
+"""EAGLE-style draft head: tiny training run end to end, lossless greedy, proper q when sampling."""
+import torch
+
+from conftest import make_engine, ragged_prompts
+from specdec.models.draft_head import DraftHead, DraftHeadConfig
+from specdec.proposers.feature_head import FeatureHeadProposer
+from specdec.sampling import SamplingParams
+
+
+def _random_head(target, vocab=200, seed=0):
+    torch.manual_seed(seed)
+    a = target.args
+    cfg = DraftHeadConfig(dim=a.dim, hidden_size=64, n_blocks=1, draft_vocab_size=vocab, vocab_size=a.vocab_size)
+    ids = torch.randperm(a.vocab_size)[:vocab].sort().values
+    return DraftHead(cfg, ids).attach(target).eval()
+
+
+def test_tiny_training_end_to_end(tmp_path, tiny_target):
+    from specdec.train_draft import main
+
+    out = tmp_path / "head"
+    assert main(["--tiny", "--out", str(out), "--data-dir", str(tmp_path / "data"), "--quiet", "--threads", "2"]) == 0
+    assert (out / "config.json").exists() and (out / "draft_head.safetensors").exists()
+    head = DraftHead.load(out, tiny_target)
+    assert head.cfg.train_info["steps"] > 0
+    # the frozen parts come from the verifier, the trained part from the file
+    assert head.embed_weight.data_ptr() == tiny_target.embed.weight.data_ptr()
+    assert torch.equal(head.head_weight, tiny_target.lm_head.weight[head.vocab_ids])
+    f = torch.randn(3, tiny_target.args.dim)
+    assert head(f, torch.tensor([1, 2, 3])).shape == (3, tiny_target.args.dim)
+    # the proposer loads the same files
+    prop = FeatureHeadProposer.from_pretrained(out, tiny_target)
+    assert prop.name == "eagle"
+
+
+def test_save_load_roundtrip(tmp_path, tiny_target):
+    head = _random_head(tiny_target)
+    head.save(tmp_path)
+    back = DraftHead.load(tmp_path, tiny_target)
+    assert torch.equal(back.vocab_ids, head.vocab_ids)
+    f, x = torch.randn(4, tiny_target.args.dim), torch.tensor([5, 6, 7, 8])
+    torch.testing.assert_close(back(f, x), head(f, x), atol=2e-2, rtol=2e-2)  # fp16 storage
+
+
+def test_feature_is_what_predicted_the_last_token(tiny_target, tiny_tok):
+    """The convention the head is trained on: after a round, seq.feature is the pre-norm hidden
+    state at position len(tokens) - 2, the one whose logits chose tokens[-1]."""
+    from specdec.models.runner import ModelRunner
+
+    eng = make_engine(tiny_target, k=4, tok=tiny_tok, proposer=FeatureHeadProposer(_random_head(tiny_target)))
+    seq = eng.add_request(ragged_prompts(1)[0], SamplingParams(max_tokens=30, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    runner = ModelRunner(tiny_target, 1, 512)
+    toks = seq.tokens
+    runner.sync(["x"], [toks[:-1] + [0]], [0])
+    hidden, _ = runner.forward(["x"], [toks[:-1]])
+    torch.testing.assert_close(seq.feature, hidden[0, -1], atol=1e-4, rtol=1e-4)
+    assert int(tiny_target.logits(hidden[0, -1]).argmax()) == toks[-1]
+
+
+def test_greedy_is_lossless(tiny_target, tiny_tok):
+    prompts = ragged_prompts(6)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = make_engine(tiny_target, k=0, tok=tiny_tok).generate(prompts, params, num_speculative_tokens=0)
+    eng = make_engine(tiny_target, k=4, tok=tiny_tok, proposer=FeatureHeadProposer(_random_head(tiny_target)))
+    spec = eng.generate(prompts, params)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert sum(c.metrics.num_drafted for c in spec) > 0
+
+
+def test_sampled_probs_are_distributions(tiny_target, tiny_tok):
+    head = _random_head(tiny_target)
+    prop = FeatureHeadProposer(head)
+    seen = []
+    orig = prop.propose
+
+    def spy(reqs):
+        out = orig(reqs)
+        seen.extend(zip(reqs, out))
+        return out
+
+    prop.propose = spy
+    eng = make_engine(tiny_target, k=3, tok=tiny_tok, proposer=prop)
+    params = [SamplingParams(max_tokens=24, temperature=0.8, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=1.0, top_k=20, seed=2, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.7, top_p=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=24, ignore_eos=True)]  # a greedy request in the same batch
+    outs = eng.generate(ragged_prompts(4), params)
+    assert all(len(c.token_ids) == 24 for c in outs)
+    outside = torch.ones(tiny_target.args.vocab_size, dtype=torch.bool)
+    outside[head.vocab_ids] = False
+    n_sampled = 0
+    for req, p in seen:
+        if not p.token_ids:
+            assert req.feature is None or req.num_speculative_tokens == 0
+            continue
+        assert len(p.token_ids) == req.num_speculative_tokens
+        if req.params.greedy:
+            assert p.probs is None
+            continue
+        n_sampled += 1
+        assert p.probs.shape == (len(p.token_ids), tiny_target.args.vocab_size)
+        torch.testing.assert_close(p.probs.sum(-1), torch.ones(len(p.token_ids)), atol=1e-5, rtol=0)
+        assert float(p.probs[:, outside].abs().max()) == 0.0
+        assert all(float(p.probs[j, t]) > 0 for j, t in enumerate(p.token_ids))
+    assert n_sampled > 0
+
+
+def test_sampled_drafts_are_reproducible(tiny_target, tiny_tok):
+    prompts = ragged_prompts(3)
+    params = SamplingParams(max_tokens=20, temperature=0.9, seed=7, ignore_eos=True)
+    runs = [make_engine(tiny_target, k=3, tok=tiny_tok, proposer=FeatureHeadProposer(_random_head(tiny_target)))
+            .generate(prompts, params) for _ in range(2)]
+    assert [c.token_ids for c in runs[0]] == [c.token_ids for c in runs[1]]

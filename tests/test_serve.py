@@ -1,0 +1,187 @@
+"""The Serve application on a real (local) Ray cluster with tiny models, through HTTP and the
+official openai SDK."""
+import concurrent.futures as cf
+import json
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from serve_helpers import run_app, serve_cluster
+
+pytestmark = pytest.mark.serve
+
+KEY = "sk-test-key-123"
+TINY = {"verifier": "tiny", "draft": "tiny:noise=0.05", "model_name": "tiny", "num_threads": 1, "adaptive": False,
+        "max_model_len": 256, "max_seqs": 24}
+CHAT = [{"role": "user", "content": "Tell me about speculative decoding."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(f"{KEY}\nsk-other\n")
+    with serve_cluster() as url:
+        verifier, drafter = run_app("specdec", "/", {**TINY, "api_keys_file": str(keys)})
+        run_app("limited", "/limited", {**TINY, "draft": "none", "rate_limit": "4/minute",
+                                        "request_timeout_s": 1.0, "api_keys_env": None})
+        yield {"url": url, "verifier": verifier, "drafter": drafter}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The in-process engine on the same tiny models: what the server must reproduce."""
+    from specdec.config import EngineConfig
+    from specdec.engine import SpecEngine
+
+    return SpecEngine.from_config(EngineConfig(verifier="tiny", draft="tiny:noise=0.05", progress=False))
+
+
+def greedy(reference, messages, n=40):
+    from specdec.sampling import SamplingParams
+
+    return reference.generate([messages], SamplingParams(max_tokens=n))[0]
+
+
+def post(server, path, body, key=KEY, prefix=""):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server["url"] + prefix + path, json=body, headers=headers, timeout=60)
+
+
+def test_chat_non_streaming_equals_engine(client, reference):
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40, temperature=0)
+    want = greedy(reference, CHAT)
+    assert r.choices[0].message.content == want.text
+    assert r.usage.completion_tokens == len(want.token_ids)
+    spec = r.usage.model_extra["speculative"]
+    assert spec["num_drafted"] > 0 and 0 < spec["acceptance_rate"] <= 1 and spec["mean_accepted_length"] > 1
+
+
+def test_chat_streaming_chunks_and_usage(client, reference):
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == greedy(reference, CHAT).text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_extra["speculative"]["num_verifier_passes"] > 0
+    # one chunk per verifier pass (accepted block), not one per token
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content_chunks) < 40
+
+
+def test_completions_and_models(client, server):
+    r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
+    parts = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0,
+                                           stream=True))
+    assert "".join(p.choices[0].text for p in parts) == r.choices[0].text
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_seeded_sampling_reproducible_over_http(client):
+    a, b = (client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=20, temperature=0.8, top_p=0.9,
+                                           seed=42).choices[0].message.content for _ in range(2))
+    assert a == b
+
+
+def test_sixteen_concurrent_users_share_verifier_passes(client, server, reference):
+    prompts = [[{"role": "user", "content": f"Question number {i}: " + "why? " * (i % 5)}] for i in range(16)]
+    before = len(server["verifier"].stats.remote().result()["batch_sizes"])
+
+    def one(m):
+        return client.chat.completions.create(model="tiny", messages=m, max_tokens=30, temperature=0)
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, prompts))
+    assert all(r.choices[0].finish_reason in ("length", "stop") for r in results)
+    for m, r in zip(prompts, results):  # greedy under concurrency equals single-user greedy
+        assert r.choices[0].message.content == greedy(reference, m, 30).text
+    sizes = server["verifier"].stats.remote().result()["batch_sizes"][before:]
+    print(f"verifier batch sizes with 16 users: max {max(sizes)}, mean {sum(sizes) / len(sizes):.2f}")
+    assert max(sizes) > 1 and sum(sizes) / len(sizes) > 2
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"max_tokens": -1}, 400, "max_tokens"),
+    ({"max_tokens": 10**6}, 400, "max_tokens"),
+    ({"temperature": 3.5}, 400, "temperature"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "x" * 400}]}, 400, "messages"),  # longer than the context
+    ({"n": 2}, 400, "n"),
+    ({"top_p": 0}, 400, "top_p"),
+    ({"model": "gpt-17"}, 404, "model"),
+    ({"num_speculative_tokens": 99}, 400, "num_speculative_tokens"),
+])
+def test_bad_requests_get_openai_errors(server, body, status, param):
+    r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 5, **body})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+
+
+def test_auth(server):
+    assert post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT}, key=None).status_code == 401
+    r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT}, key="sk-wrong")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert "sk-wrong" not in r.text
+    assert post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 3},
+                key="sk-other").status_code == 200
+
+
+def test_timeout_then_rate_limit_on_limited_app(server):
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 200, "ignore_eos": True}
+    r = post(server, "/v1/chat/completions", body, key=None, prefix="/limited")
+    assert r.status_code == 408 and r.json()["error"]["type"] == "timeout"
+    codes = [post(server, "/v1/chat/completions", {**body, "max_tokens": 1}, key=None, prefix="/limited").status_code
+             for _ in range(4)]
+    assert codes[:3] == [200, 200, 200] and codes[3] == 429
+    r = post(server, "/v1/chat/completions", {**body, "max_tokens": 1}, key=None, prefix="/limited")
+    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_bad_input_does_not_harm_other_streams(server, client, reference):
+    with cf.ThreadPoolExecutor(4) as pool:
+        good = pool.submit(lambda: "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=40, temperature=0, stream=True) if c.choices))
+        bad = [pool.submit(post, server, "/v1/chat/completions", {"model": "tiny", "messages": [], "max_tokens": -5})
+               for _ in range(6)]
+        assert all(b.result().status_code == 400 for b in bad)
+        assert good.result() == greedy(reference, CHAT).text
+    assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
+
+
+def test_client_disconnect_frees_sequence_on_both_replicas(server):
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server["url"] + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+        busy = server["verifier"].stats.remote().result()["resident_sequences"]
+        assert len(busy) == 1
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        v = server["verifier"].stats.remote().result()["resident_sequences"]
+        d = server["drafter"].stats.remote().result()["resident_sequences"]
+        if not v and not d:
+            break
+        time.sleep(0.2)
+    assert v == [] and d == []
+
+
+def test_metrics_and_health(server):
+    assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
+    text = httpx.get(server["url"] + "/metrics").text
+    assert "specdec_requests_total" in text and "specdec_accepted_tokens_total" in text
+    r = httpx.get(server["url"] + "/v1/nope")
+    assert r.status_code == 404 and "error" in r.json()
