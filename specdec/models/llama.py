@@ -56,6 +56,29 @@ class ModelArgs:
         )
 
 
+class Linear(nn.Module):
+    """y = x W^T + b with W stored transposed, [in, out] contiguous.
+
+    Why: on CPU, x @ W_t with W_t contiguous is the fast layout for the few-row matmuls of
+    a verify pass (measured here: the 49152-wide LM head at 5 rows took 19 ms this way against
+    25 ms with nn.Linear's layout, the MLP up-projection 0.38 ms against 0.60 ms), and the
+    same for one row. That is most of what makes a (K+1)-token pass cost little more than one."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool = False):
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(d_in, d_out))
+        self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+
+    @property
+    def weight(self) -> Tensor:
+        """[out, in] view, as nn.Linear names it."""
+        return self.weight_t.t()
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x @ self.weight_t
+        return y + self.bias if self.bias is not None else y
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -72,10 +95,10 @@ class Block(nn.Module):
         self.a = a
         hd = a.head_dim
         # q, k and v in one matmul, gate and up in another: half the kernel launches of HF's layout
-        self.wqkv = nn.Linear(a.dim, (a.n_heads + 2 * a.n_kv_heads) * hd, bias=a.attention_bias)
-        self.wo = nn.Linear(a.n_heads * hd, a.dim, bias=False)
-        self.w13 = nn.Linear(a.dim, 2 * a.intermediate_size, bias=False)
-        self.w2 = nn.Linear(a.intermediate_size, a.dim, bias=False)
+        self.wqkv = Linear(a.dim, (a.n_heads + 2 * a.n_kv_heads) * hd, bias=a.attention_bias)
+        self.wo = Linear(a.n_heads * hd, a.dim, bias=False)
+        self.w13 = Linear(a.dim, 2 * a.intermediate_size, bias=False)
+        self.w2 = Linear(a.intermediate_size, a.dim, bias=False)
         self.attn_norm = RMSNorm(a.dim, a.norm_eps)
         self.mlp_norm = RMSNorm(a.dim, a.norm_eps)
 
@@ -147,7 +170,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(a.vocab_size, a.dim)
         self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
         self.norm = RMSNorm(a.dim, a.norm_eps)
-        self.lm_head = nn.Linear(a.dim, a.vocab_size, bias=False)
+        self.lm_head = Linear(a.dim, a.vocab_size, bias=False)
         self._rope_cache: tuple[Tensor, Tensor] | None = None
 
     def rope_tables(self, device, dtype) -> tuple[Tensor, Tensor]:
@@ -183,14 +206,15 @@ class Transformer(nn.Module):
         self.embed.weight.copy_(g("model.embed_tokens.weight"))
         self.norm.weight.copy_(g("model.norm.weight"))
         head = sd.get("lm_head.weight")
-        self.lm_head.weight.copy_(head if head is not None and not a.tie_embeddings else g("model.embed_tokens.weight"))
+        self.lm_head.weight_t.copy_((head if head is not None and not a.tie_embeddings
+                                     else g("model.embed_tokens.weight")).t())
         for i, blk in enumerate(self.layers):
             p = f"model.layers.{i}."
-            blk.wqkv.weight.copy_(torch.cat([g(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            blk.wqkv.weight_t.copy_(torch.cat([g(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).t())
             if a.attention_bias:
                 blk.wqkv.bias.copy_(torch.cat([g(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-            blk.wo.weight.copy_(g(p + "self_attn.o_proj.weight"))
-            blk.w13.weight.copy_(torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")]))
-            blk.w2.weight.copy_(g(p + "mlp.down_proj.weight"))
+            blk.wo.weight_t.copy_(g(p + "self_attn.o_proj.weight").t())
+            blk.w13.weight_t.copy_(torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")]).t())
+            blk.w2.weight_t.copy_(g(p + "mlp.down_proj.weight").t())
             blk.attn_norm.weight.copy_(g(p + "input_layernorm.weight"))
             blk.mlp_norm.weight.copy_(g(p + "post_attention_layernorm.weight"))
