@@ -34,16 +34,31 @@ class Completion:
                 "metrics": self.metrics.to_dict()}
 
 
-def build_proposer(spec: str, cfg: EngineConfig) -> Proposer | None:
-    """'none' -> None, 'ngram' -> prompt lookup, anything else -> a draft model by spec."""
+def build_proposer(spec: str, cfg: EngineConfig, verifier_model=None) -> Proposer | None:
+    """'none' -> None, 'ngram' -> prompt lookup, 'default' or a draft-head dir -> the EAGLE-style
+    head on the verifier's features, anything else -> a standalone draft model by spec."""
     if spec == "none":
         return None
     if spec == "ngram":
         return NgramProposer(max_n=cfg.ngram_max)
     from specdec.models.loader import load_model
 
+    if spec == "default" or is_head_dir(spec):
+        from specdec.proposers.feature_head import FeatureHeadProposer
+
+        # the head reuses the verifier's embedding, final norm and LM head rows
+        verifier_model = verifier_model or load_model(cfg.verifier, cfg.device, cfg.dtype, cfg.progress)
+        return FeatureHeadProposer.from_pretrained(None if spec == "default" else spec, verifier_model)
     model = load_model(spec, cfg.device, cfg.dtype, cfg.progress)
     return DraftModelProposer(ModelRunner(model, cfg.max_seqs, cfg.max_model_len))
+
+
+def is_head_dir(spec: str) -> bool:
+    from pathlib import Path
+
+    from specdec.models.draft_head import WEIGHTS
+
+    return (Path(spec).expanduser() / WEIGHTS).exists()
 
 
 def build_verifier(cfg: EngineConfig) -> Verifier:
@@ -76,7 +91,7 @@ class SpecEngine:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         verifier = build_verifier(cfg)
-        proposer = build_proposer(cfg.draft, cfg)
+        proposer = build_proposer(cfg.draft, cfg, verifier.runner.model)
         extra = {} if cfg.draft == "ngram" else {"ngram": NgramProposer(max_n=cfg.ngram_max)}
         return cls(verifier, proposer, TextTokenizer(load_tokenizer(cfg.verifier, cfg.progress)), cfg, extra)
 

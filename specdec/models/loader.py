@@ -30,10 +30,6 @@ def model_dir(spec: str, progress: bool = True) -> Path | None:
         from specdec.models.default import default_verifier_dir
 
         return default_verifier_dir(progress)
-    if spec == "default-draft":
-        from specdec.models.draft_weights import shipped_draft_dir
-
-        return shipped_draft_dir()
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         from specdec.models.default import specdec_home

@@ -1,0 +1,333 @@
+"""The speculation benchmark: every row on the same prompts, interleaved, in one process.
+
+Rows: our K=0 (the baseline), the default draft at fixed K, adaptive K, the n-gram proposer,
+HF `generate` plain and with prompt lookup (the best assisted generation HF can run here: no other
+model shares SmolLM2's tokenizer). Greedy and sampled. Prints a Markdown table and writes
+bench/results/<name>.json, .md and .png; `--out PATH` also writes the summary figures."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics as st
+import time
+from pathlib import Path
+
+import torch
+
+from specdec.sampling import SamplingParams
+
+PROMPTS = Path(__file__).with_name("prompts.json")
+
+
+def load_prompts(quick: bool) -> list[dict]:
+    ps = json.loads(PROMPTS.read_text())
+    if quick:  # one prompt per category
+        seen, out = set(), []
+        for p in ps:
+            if p["category"] not in seen:
+                seen.add(p["category"])
+                out.append(p)
+        return out
+    return ps
+
+
+# -- cost measurements ---------------------------------------------------------------------------
+def verify_cost_curve(runner, ctx_len=200, max_tokens=9, reps=7) -> dict[int, float]:
+    """Median ms of one verifier pass over T new tokens after a ctx_len context, T = 1..max."""
+    ctx = list(range(100, 100 + ctx_len))
+    runner.sync(["__bench"], [ctx], [0])
+    runner.prefill(["__bench"], [ctx[:-1]])
+    times: dict[int, list[float]] = {t: [] for t in range(1, max_tokens + 1)}
+    for _ in range(reps):  # interleaved, so drift hits every T alike
+        for t in times:
+            runner.sync(["__bench"], [ctx], [t])
+            t0 = time.perf_counter()
+            hidden, valid = runner.forward(["__bench"], [ctx[-1:] + list(range(500, 500 + t - 1))])
+            runner.model.logits(hidden[valid])
+            times[t].append(time.perf_counter() - t0)
+    runner.free("__bench")
+    return {t: 1000 * st.median(v) for t, v in times.items()}
+
+
+def draft_step_ms(engine, prompt_ids: list[int], reps=5) -> float:
+    """Median ms per draft token of the default proposer, on a real feature."""
+    from specdec.protocol import ProposeRequest
+
+    seq = engine.add_request(prompt_ids, SamplingParams(max_tokens=4))
+    engine.step()  # one verifier pass gives the sequence its feature
+    prop = engine.proposers[engine.default_proposer]
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        prop.propose([ProposeRequest(seq.seq_id, list(seq.tokens), 4, seq.params, seq.feature)])
+        ts.append((time.perf_counter() - t0) / 4)
+    engine.abort(seq.seq_id)
+    return 1000 * st.median(ts)
+
+
+# -- rows ----------------------------------------------------------------------------------------
+class Rows:
+    def __init__(self, engine, adaptive_engine, hf, tok, max_tokens: int):
+        self.engine, self.adaptive_engine, self.hf, self.tok, self.max_tokens = engine, adaptive_engine, hf, tok, max_tokens
+
+    def ours(self, eng, ids, params, k, proposer):
+        v0 = eng.verifier.busy_s
+        c = eng.generate([ids], params, num_speculative_tokens=k, proposer=proposer)[0]
+        m = c.metrics
+        return {"tokens": len(c.token_ids), "token_ids": c.token_ids, "seconds": m.latency_s,
+                "ttft_s": m.ttft_s, "passes": m.num_verifier_passes, "drafted": m.num_drafted,
+                "accepted": m.num_accepted, "accepted_per_position": m.accepted_per_position,
+                "drafted_per_position": m.drafted_per_position, "verifier_s": eng.verifier.busy_s - v0}
+
+    def hf_generate(self, ids, params, lookup: int | None):
+        kw = {"max_new_tokens": params.max_tokens, "pad_token_id": self.tok.hf.eos_token_id}
+        if params.greedy:
+            kw["do_sample"] = False
+        else:
+            kw.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0)
+            torch.manual_seed(params.seed)
+        if lookup:
+            kw["prompt_lookup_num_tokens"] = lookup
+        t0 = time.perf_counter()
+        out = self.hf.generate(torch.tensor([ids]), **kw)[0, len(ids):].tolist()
+        dt = time.perf_counter() - t0
+        n = len(out) - (1 if out and out[-1] in self.tok.eos_token_ids else 0)  # HF keeps its EOS
+        return {"tokens": n, "token_ids": out[:n], "seconds": dt, "ttft_s": None, "passes": None if lookup else len(out),
+                "drafted": None, "accepted": None, "verifier_s": None}
+
+    def run(self, row: str, ids, params):
+        if row == "hf_plain":
+            return self.hf_generate(ids, params, None)
+        if row == "hf_prompt_lookup":
+            return self.hf_generate(ids, params, 4)
+        if row == "adaptive":
+            return self.ours(self.adaptive_engine, ids, params, 8, self.engine.default_proposer)
+        if row.startswith("ngram"):
+            return self.ours(self.engine, ids, params, 4, "ngram")
+        k = int(row.removeprefix("k"))
+        return self.ours(self.engine, ids, params, k, self.engine.default_proposer if k else None)
+
+
+def summarize_row(row: str, runs: list[dict], base: list[dict]) -> dict:
+    tokens = sum(r["tokens"] for r in runs)
+    secs = sum(r["seconds"] for r in runs)
+    tps = [r["tokens"] / r["seconds"] for r in runs if r["seconds"] > 0]
+    speed = [(r["tokens"] / r["seconds"]) / (b["tokens"] / b["seconds"]) for r, b in zip(runs, base)]
+    out = {"row": row, "n": len(runs), "tokens": tokens,
+           "tokens_per_s": tokens / secs, "tokens_per_s_median": st.median(tps),
+           "tokens_per_s_iqr": _iqr(tps), "ms_per_token": 1000 * secs / max(tokens, 1),
+           "latency_s_median": st.median(r["seconds"] for r in runs),
+           "speedup_vs_k0": st.median(speed), "speedup_vs_k0_iqr": _iqr(speed),
+           "identical_to_k0": all(r["token_ids"] == b["token_ids"] for r, b in zip(runs, base))}
+    ttfts = [r["ttft_s"] for r in runs if r["ttft_s"] is not None]
+    out["ttft_s_median"] = st.median(ttfts) if ttfts else None
+    if all(r["passes"] is not None for r in runs):
+        passes, base_passes = sum(r["passes"] for r in runs), sum(b["passes"] for b in base)
+        out["verifier_passes_per_token"] = passes / max(tokens, 1)
+        base_ppt = base_passes / max(sum(b["tokens"] for b in base), 1)
+        out["cost_saving_passes"] = 1 - out["verifier_passes_per_token"] / base_ppt
+    if all(r.get("drafted") is not None for r in runs):
+        d, a = sum(r["drafted"] for r in runs), sum(r["accepted"] for r in runs)
+        p = sum(r["passes"] for r in runs)
+        out["acceptance_rate"] = a / d if d else 0.0
+        out["mean_accepted_length"] = 1 + a / p if p else 0.0
+        width = max(len(r["drafted_per_position"]) for r in runs)
+        per = []
+        for j in range(width):
+            dj = sum(r["drafted_per_position"][j] for r in runs if j < len(r["drafted_per_position"]))
+            aj = sum(r["accepted_per_position"][j] for r in runs if j < len(r["accepted_per_position"]))
+            per.append(aj / dj if dj else 0.0)
+        out["acceptance_per_position"] = per
+        vs = sum(r["verifier_s"] for r in runs) / max(tokens, 1)
+        vb = sum(b["verifier_s"] for b in base) / max(sum(b["tokens"] for b in base), 1)
+        out["verifier_time_saving"] = 1 - vs / vb if vb else 0.0
+    return out
+
+
+def _iqr(xs: list[float]) -> float:
+    if len(xs) < 2:
+        return 0.0
+    q = st.quantiles(xs, n=4)
+    return q[2] - q[0]
+
+
+# -- output --------------------------------------------------------------------------------------
+COLS = [("row", "row", "{}"), ("acc", "acceptance_rate", "{:.2f}"), ("mean len", "mean_accepted_length", "{:.2f}"),
+        ("tok/s", "tokens_per_s_median", "{:.1f}"), ("±iqr", "tokens_per_s_iqr", "{:.1f}"),
+        ("ms/tok", "ms_per_token", "{:.1f}"), ("TTFT s", "ttft_s_median", "{:.3f}"),
+        ("latency s", "latency_s_median", "{:.2f}"), ("passes/tok", "verifier_passes_per_token", "{:.2f}"),
+        ("pass saving", "cost_saving_passes", "{:.0%}"), ("verify-time saving", "verifier_time_saving", "{:.0%}"),
+        ("speedup vs K=0", "speedup_vs_k0", "{:.2f}x"), ("same as K=0", "identical_to_k0", "{}")]
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(c[0] for c in COLS) + " |", "|" + "---|" * len(COLS)]
+    for r in rows:
+        cells = [fmt.format(r[key]) if r.get(key) is not None else "–" for _, key, fmt in COLS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    g = {r["row"]: r for r in result["greedy"]}
+    ks = [k for k in (1, 2, 3, 4, 6, 8) if f"k{k}" in g]
+    ax[0].plot(ks, [g[f"k{k}"]["speedup_vs_k0"] for k in ks], "o-", label="speedup vs K=0 (greedy)")
+    ax[0].plot(ks, [g[f"k{k}"]["acceptance_rate"] for k in ks], "s--", label="acceptance rate")
+    if "adaptive" in g:
+        ax[0].axhline(g["adaptive"]["speedup_vs_k0"], color="g", ls=":", label="adaptive K speedup")
+    ax[0].axhline(1.0, color="gray", lw=0.8)
+    ax[0].set_xlabel("K (num_speculative_tokens)")
+    ax[0].set_title("Speedup and acceptance vs K")
+    ax[0].legend(fontsize=8)
+    big = g.get("k8") or g.get(f"k{ks[-1]}") if ks else None
+    if big:
+        per = big["acceptance_per_position"]
+        ax[1].bar(range(1, len(per) + 1), per)
+    ax[1].set_xlabel("draft position")
+    ax[1].set_title("Acceptance per draft position (largest K)")
+    curve = result["verify_cost_ms"]
+    ax[2].plot([int(t) for t in curve], list(curve.values()), "o-")
+    ax[2].set_xlabel("tokens per verifier pass")
+    ax[2].set_ylabel("ms per pass")
+    ax[2].set_ylim(bottom=0)
+    ax[2].set_title("Verify cost curve")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# -- main ----------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specdec bench", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="one prompt per category, fewer rows (<= 3 min)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 96, quick 48)")
+    ap.add_argument("--name", default=None, help="results file stem under bench/results/")
+    ap.add_argument("--out", default=None, help="also write the summary figures to this JSON file")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft", default="default", help="proposer for the draft rows")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF rows")
+    ap.add_argument("--no-sampled", action="store_true", help="skip the sampled rows")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    from transformers import AutoModelForCausalLM
+
+    from specdec.config import EngineConfig
+    from specdec.engine import SpecEngine, build_proposer
+    from specdec.models.loader import model_dir
+    from specdec.proposers import NgramProposer
+
+    max_tokens = a.max_tokens or (48 if a.quick else 96)
+    cfg = EngineConfig(verifier="default", draft=a.draft, max_seqs=4, max_model_len=2048)
+    base = SpecEngine.from_config(cfg)
+    adaptive = SpecEngine(base.verifier, base.proposers[base.default_proposer], base.tokenizer,
+                          EngineConfig(num_speculative_tokens=8, adaptive=True), {"ngram": NgramProposer()})
+    hf = None if a.no_hf else AutoModelForCausalLM.from_pretrained(model_dir("default"), dtype=torch.float32).eval()
+    rows = Rows(base, adaptive, hf, base.tokenizer, max_tokens)
+    prompts = load_prompts(a.quick)
+    ids = [base.tokenizer.chat(p["messages"]) for p in prompts]
+
+    greedy_rows = ["k0", "k1", "k2", "k3", "k4", "k6", "k8", "adaptive", "ngram"] if not a.quick else \
+        ["k0", "k2", "k4", "k6", "adaptive", "ngram"]
+    if hf is not None:
+        greedy_rows += ["hf_plain", "hf_prompt_lookup"]
+    sampled_rows = [] if a.no_sampled else (["k0", "k4", "adaptive"] if a.quick else ["k0", "k2", "k4", "adaptive", "ngram"])
+    if hf is not None and sampled_rows:
+        sampled_rows.append("hf_plain")
+
+    print(f"verify cost curve ...", flush=True)
+    curve = verify_cost_curve(base.verifier.runner)
+    c_ms = draft_step_ms(base, ids[0])
+    # warm up both engines (allocator, adaptive cost fits) on a prompt outside the measured set
+    warm = base.tokenizer.chat([{"role": "user", "content": "Say hello in five words."}])
+    for eng in (base, adaptive):
+        eng.generate([warm], SamplingParams(max_tokens=24), num_speculative_tokens=4)
+
+    results: dict[str, dict[str, list[dict]]] = {"greedy": {r: [] for r in greedy_rows},
+                                                  "sampled": {r: [] for r in sampled_rows}}
+    t_start = time.time()
+    for i, (p, pid) in enumerate(zip(prompts, ids)):
+        for mode, row_names in (("greedy", greedy_rows), ("sampled", sampled_rows)):
+            order = row_names if i % 2 == 0 else row_names[::-1]  # alternate order against drift
+            for row in order:
+                params = SamplingParams(max_tokens=max_tokens) if mode == "greedy" else \
+                    SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.95, seed=1000 + i)
+                r = rows.run(row, pid, params)
+                r["category"] = p["category"]
+                results[mode][row].append(r)
+        print(f"  prompt {i + 1}/{len(prompts)} ({p['category']}) done, {time.time() - t_start:.0f}s", flush=True)
+
+    out = {"config": {"max_tokens": max_tokens, "prompts": len(prompts), "threads": a.threads, "quick": a.quick,
+                      "draft": a.draft, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M")},
+           "verify_cost_ms": curve, "draft_step_ms": c_ms, "draft_cost_ratio_c": c_ms / curve[1]}
+    for mode in ("greedy", "sampled"):
+        if results[mode]:
+            b = results[mode]["k0"]
+            out[mode] = [summarize_row(r, runs, b) for r, runs in results[mode].items()]
+    # per category: adaptive and n-gram against K=0
+    cats = sorted({p["category"] for p in prompts})
+    out["by_category"] = {}
+    for cat in cats:
+        sel = [j for j, p in enumerate(prompts) if p["category"] == cat]
+        b = [results["greedy"]["k0"][j] for j in sel]
+        out["by_category"][cat] = {row: summarize_row(row, [results["greedy"][row][j] for j in sel], b)["speedup_vs_k0"]
+                                   for row in greedy_rows}
+    out["summary"] = summary(out)
+    name = a.name or ("quick" if a.quick else "default")
+    res_dir = Path("bench/results")
+    res_dir.mkdir(parents=True, exist_ok=True)
+    (res_dir / f"{name}.json").write_text(json.dumps(out, indent=1, default=float))
+    md = [f"## Greedy ({len(prompts)} prompts, {max_tokens} new tokens, {a.threads} threads)", markdown(out["greedy"])]
+    if "sampled" in out:
+        md += ["", "## Sampled (T=0.7, top-p 0.95)", markdown(out["sampled"])]
+    md += ["", "## Speedup vs K=0 by prompt category (greedy)",
+           "| category | " + " | ".join(greedy_rows) + " |", "|---|" + "---|" * len(greedy_rows)]
+    md += [f"| {c} | " + " | ".join(f"{v:.2f}" for v in out["by_category"][c].values()) + " |" for c in cats]
+    md += ["", "Verify cost (ms per pass by tokens in pass): " +
+           ", ".join(f"{t}: {v:.1f}" for t, v in curve.items()),
+           f"Draft step: {c_ms:.1f} ms (c = {out['draft_cost_ratio_c']:.3f} of a 1-token verifier pass)",
+           "", "Summary: " + json.dumps(out["summary"])]
+    (res_dir / f"{name}.md").write_text("\n".join(md) + "\n")
+    plot(out, res_dir / f"{name}.png")
+    print("\n".join(md))
+    if a.out:
+        Path(a.out).write_text(json.dumps(out["summary"], indent=1))
+    return 0
+
+
+def summary(out: dict) -> dict:
+    g = {r["row"]: r for r in out["greedy"]}
+    s = {r["row"]: r for r in out.get("sampled", [])}
+    fixed = [r for r in g if r.startswith("k") and r != "k0"]
+    best_k = max(fixed, key=lambda r: g[r]["speedup_vs_k0"]) if fixed else "k0"
+    best_row = max([best_k] + (["adaptive"] if "adaptive" in g else []), key=lambda r: g[r]["speedup_vs_k0"])
+    curve = out["verify_cost_ms"]
+    c = out["draft_cost_ratio_c"]
+    k = int(best_k[1:]) if best_k != "k0" else 0
+    a = g[best_k].get("acceptance_rate", 0.0)
+    predicted = ((1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1) / (k * c + curve[k + 1] / curve[1]) if k else 1.0
+    tps = lambda row, d=g: d[row]["tokens_per_s"] if row in d else None  # noqa: E731
+    best_tps = tps(best_row)
+    res = {
+        "greedy_speedup_vs_k0": g[best_row]["speedup_vs_k0"],
+        "greedy_best_row": best_row,
+        "sampled_speedup_vs_k0": max((s[r]["speedup_vs_k0"] for r in s if r not in ("k0", "hf_plain")), default=None),
+        "speedup_vs_hf_assisted": best_tps / tps("hf_prompt_lookup") if "hf_prompt_lookup" in g else None,
+        "speedup_vs_hf_plain": best_tps / tps("hf_plain") if "hf_plain" in g else None,
+        "k0_vs_hf_plain": tps("k0") / tps("hf_plain") if "hf_plain" in g else None,
+        "acceptance_rate_k4": g["k4"]["acceptance_rate"] if "k4" in g else None,
+        "best_k": k,
+        "draft_cost_ratio_c": c,
+        "verify_cost_ratio_5_vs_1": curve[5] / curve[1],
+        "predicted_speedup_best_k": predicted,
+        "realized_vs_predicted": g[best_k]["speedup_vs_k0"] / predicted if k else None,
+        "ngram_extractive_speedup": out["by_category"].get("extract", {}).get("ngram"),
+        "adaptive_min_category_ratio": min((v["adaptive"] for v in out["by_category"].values() if "adaptive" in v),
+                                           default=None),
+        "all_greedy_rows_identical_to_k0": all(r["identical_to_k0"] for r in out["greedy"]),
+    }
+    return res
