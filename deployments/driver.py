@@ -37,11 +37,11 @@ class Entry:
 
 class RoundLoop:
     def __init__(self, drafter, verifier, max_batch_size: int, num_shards: int = 1, adaptive: AdaptiveK | None = None,
-                 verify_retries: int = 3):
+                 verify_retry_s: float = 30.0):
         self.drafter, self.verifier = drafter, verifier
         self.max_batch_size, self.num_shards = max_batch_size, num_shards
         self.adaptive = adaptive
-        self.verify_retries = verify_retries
+        self.verify_retry_s = verify_retry_s
         self.local = {"ngram": NgramProposer()}  # needs no model: runs right here
         self.proposer_of: dict[str, str | None] = {}
         self.shards: dict[str, list[Entry]] = {}
@@ -134,14 +134,19 @@ class RoundLoop:
             return [Proposal([], None) for _ in reqs]
 
     async def _verify(self, shard: str, reqs):
-        for attempt in range(self.verify_retries):
-            try:  # idempotent: a retry on another replica recomputes from the token lists
+        """Retried with backoff for up to verify_retry_s: a retry is idempotent (another or a
+        restarted replica recomputes from the token lists), so a lost verifier costs time only."""
+        give_up, delay = time.monotonic() + self.verify_retry_s, 0.25
+        while True:
+            try:
                 return await self.verifier.options(multiplexed_model_id=shard).verify.remote(reqs)
             except Exception:
                 self.verifier_failures += 1
-                log.warning("verifier call failed (attempt %d)", attempt + 1, exc_info=True)
-                await asyncio.sleep(0.5 * 2**attempt)
-        return None
+                log.warning("verifier call failed", exc_info=True)
+                if time.monotonic() + delay > give_up:
+                    return None
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
 
     def _fail(self, e: Entry, err: APIError) -> None:
         e.queue.put_nowait(err)

@@ -1,4 +1,4 @@
-"""`specdec` command line: fetch, generate, bench, train-draft."""
+"""`specdec` command line: fetch, generate, bench, train-draft, plan."""
 from __future__ import annotations
 
 import argparse
@@ -53,7 +53,15 @@ def cmd_generate(a) -> int:
     return 0
 
 
+PASSTHROUGH = {"bench": "specdec.bench", "train-draft": "specdec.train_draft", "plan": "specdec.plan"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PASSTHROUGH:  # these parse their own options
+        import importlib
+
+        return importlib.import_module(PASSTHROUGH[argv[0]]).main(argv[1:]) or 0
     ap = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("fetch", help="download and convert the embedded default verifier").set_defaults(fn=cmd_fetch)
@@ -69,12 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(fn=cmd_generate)
-    b = sub.add_parser("bench", help="speculation benchmark (see specdec.bench)", add_help=False)
-    b.set_defaults(fn=lambda a: __import__("specdec.bench", fromlist=["main"]).main(a.rest))
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    t = sub.add_parser("train-draft", help="make data and train the default draft head", add_help=False)
-    t.set_defaults(fn=lambda a: __import__("specdec.train_draft", fromlist=["main"]).main(a.rest))
-    t.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("bench", help="speculation benchmark (specdec bench --help)")
+    sub.add_parser("train-draft", help="make data and train the default draft head (specdec train-draft --help)")
+    sub.add_parser("plan", help="size draft/verifier pools and price output (specdec plan --help)")
     a = ap.parse_args(argv)
     return a.fn(a) or 0
 

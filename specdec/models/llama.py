@@ -51,7 +51,8 @@ class ModelArgs:
             rope_theta=float(rope_theta),
             norm_eps=cfg.rms_norm_eps,
             max_position=getattr(cfg, "max_position_embeddings", 8192),
-            attention_bias=bool(getattr(cfg, "attention_bias", False)),
+            # Qwen2 always has q/k/v biases and says so only through its model type
+            attention_bias=bool(getattr(cfg, "attention_bias", False)) or getattr(cfg, "model_type", "") == "qwen2",
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         )
 
