@@ -27,8 +27,9 @@ DEPLOYMENT_OPTIONS = {
                                        "upscale_delay_s": 1, "downscale_delay_s": 5, "look_back_period_s": 2,
                                        "metrics_interval_s": 0.5}},
     "Verifier": {"ray_actor_options": {"num_cpus": 0, "resources": {"large_gpu": 0.5}}, "max_ongoing_requests": 4,
-                 "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
-                                        "upscale_delay_s": 1, "downscale_delay_s": 5, "look_back_period_s": 2,
+                 # downscale_delay_s longer than a replica's start-up, so a rise is not undone before it lands
+                 "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 0.5,
+                                        "upscale_delay_s": 1, "downscale_delay_s": 20, "look_back_period_s": 2,
                                         "metrics_interval_s": 0.5}},
     "OpenAIIngress": {"ray_actor_options": {"num_cpus": 0}, "num_replicas": 1},
 }

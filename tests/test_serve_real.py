@@ -1,0 +1,30 @@
+"""The Serve app exactly as serve_config.yaml describes it (embedded SmolLM2 + shipped draft head),
+on a local cluster that provides its small_gpu / large_gpu resources."""
+import pytest
+from openai import OpenAI
+
+from serve_helpers import run_app, serve_cluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.serve]
+
+
+def test_default_app_streams_with_speculation_stats():
+    from ray import serve
+
+    with serve_cluster() as url:
+        run_app("specdec", "/", {"api_keys_env": None})
+        status = serve.status().applications["specdec"]
+        assert {n: d.status for n, d in status.deployments.items()} == {
+            "Drafter": "HEALTHY", "Verifier": "HEALTHY", "OpenAIIngress": "HEALTHY"}
+        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        chunks = list(client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert "Paris" in text
+        spec = chunks[-1].usage.model_extra["speculative"]
+        assert spec["num_verifier_passes"] >= 1 and "acceptance_rate" in spec
+        plain = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24, temperature=0, extra_body={"num_speculative_tokens": 0})
+        assert plain.choices[0].message.content == text  # lossless through the whole distributed path
