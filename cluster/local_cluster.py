@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 TINY_ARGS = {"verifier": "tiny:dim=128,n_layers=4,intermediate_size=256",
              "draft": "tiny:dim=128,n_layers=4,intermediate_size=256,noise=0.05", "model_name": "tiny",
              "num_threads": 1, "adaptive": False, "max_model_len": 512, "max_seqs": 48, "num_shards": 4,
-             "api_keys_env": None, "max_queue": 128, "verifier_retry_s": 45.0}
+             "api_keys_env": None, "max_queue": 128, "verifier_retry_s": 45.0,
+             "drafter_timeout_s": 1.0}
 
 # drafter and verifier pools autoscale separately: the verifier on one ongoing call per replica,
 # the drafter (cheap) only past 8, so a burst grows the verifier pool and leaves the drafter alone

@@ -27,6 +27,7 @@ class AppArgs(BaseModel):
     num_shards: int = Field(1, ge=1, description="Sequence groups per ingress; each group sticks to one drafter and one verifier replica.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none (capped by the context left).")
     request_timeout_s: float = Field(300.0, gt=0, description="A request still running after this long ends with a timeout error.")
+    drafter_timeout_s: float = Field(5.0, gt=0, description="A drafter call slower than this is abandoned; the round runs with K=0.")
     verifier_retry_s: float = Field(30.0, ge=0, description="How long a failed verifier call is retried (on any replica) before its requests get 503.")
     api_keys_env: str | None = Field("SPECDEC_API_KEYS", description="Environment variable with comma-separated API keys; unset or empty = no auth.")
     api_keys_file: str | None = Field(None, description="File with one API key per line (added to those from api_keys_env).")

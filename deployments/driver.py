@@ -37,11 +37,14 @@ class Entry:
 
 class RoundLoop:
     def __init__(self, drafter, verifier, max_batch_size: int, num_shards: int = 1, adaptive: AdaptiveK | None = None,
-                 verify_retry_s: float = 30.0):
+                 verify_retry_s: float = 30.0, drafter_timeout_s: float = 5.0):
         self.drafter, self.verifier = drafter, verifier
         self.max_batch_size, self.num_shards = max_batch_size, num_shards
         self.adaptive = adaptive
         self.verify_retry_s = verify_retry_s
+        self.drafter_timeout_s = drafter_timeout_s
+        self._drafter_down_until = 0.0  # after a failure, rounds skip the drafter (K=0) until then
+        self._drafter_backoff = 1.0
         self.local = {"ngram": NgramProposer()}  # needs no model: runs right here
         self.proposer_of: dict[str, str | None] = {}
         self.shards: dict[str, list[Entry]] = {}
@@ -126,12 +129,22 @@ class RoundLoop:
     async def _propose(self, shard: str, name: str, reqs) -> list[Proposal]:
         if name in self.local:
             return self.local[name].propose(reqs)
+        none = [Proposal([], None) for _ in reqs]
+        if time.monotonic() < self._drafter_down_until:
+            return none
+        call = self.drafter.options(multiplexed_model_id=shard).propose.remote(reqs)
         try:
-            return await self.drafter.options(multiplexed_model_id=shard).propose.remote(reqs)
+            props = await asyncio.wait_for(call, self.drafter_timeout_s)
+            self._drafter_backoff = 1.0
+            return props
         except Exception:  # a lost drafter costs speed, not correctness: verify without drafts
+            call.cancel()
             self.drafter_failures += 1
-            log.warning("drafter call failed; this round runs with K=0", exc_info=True)
-            return [Proposal([], None) for _ in reqs]
+            # while no drafter answers (e.g. its replacement is starting), don't wait for one
+            self._drafter_down_until = time.monotonic() + self._drafter_backoff
+            self._drafter_backoff = min(2 * self._drafter_backoff, 10.0)
+            log.warning("drafter call failed; rounds run with K=0 for %.0f s", self._drafter_backoff, exc_info=True)
+            return none
 
     async def _verify(self, shard: str, reqs):
         """Retried with backoff for up to verify_retry_s: a retry is idempotent (another or a
