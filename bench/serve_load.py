@@ -97,7 +97,7 @@ def main() -> int:
 
     from serve_helpers import run_app, serve_cluster
 
-    override = {"num_threads": 2, "api_keys_env": None, "max_batch_size": 16, "max_queue": 128}
+    override = {"api_keys_env": None, "max_batch_size": 16, "max_queue": 128}
     if a.tiny:
         override.update(verifier="tiny", draft="tiny:noise=0.05", model_name="tiny")
     model = override.get("model_name", "SmolLM2-135M-Instruct")

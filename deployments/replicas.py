@@ -29,8 +29,9 @@ class _Replica:
     """What both deployments share: a lock (Serve may call sync methods from several threads,
     and a runner's slot table is not thread-safe) and where the replica runs."""
 
-    def __init__(self):
+    def __init__(self, num_threads: int = 0):
         self._lock = threading.Lock()
+        self._threads = num_threads
 
     def where(self) -> dict:
         ctx = serve.get_replica_context()
@@ -46,6 +47,13 @@ class _Replica:
         """Model compute off the event loop (health checks keep answering), one call at a time."""
         def locked():
             with self._lock:
+                if self._threads:
+                    # OpenMP settings are per thread, and Ray starts workers with OMP_NUM_THREADS=1
+                    # for a num_cpus=0 actor: set the count in the thread that computes
+                    import torch
+
+                    if torch.get_num_threads() != self._threads:
+                        torch.set_num_threads(self._threads)
                 return fn(*a)
 
         return await asyncio.to_thread(locked)
@@ -59,10 +67,10 @@ class _Replica:
 @serve.deployment(name="Drafter", max_ongoing_requests=16)
 class Drafter(_Replica):
     def __init__(self, args: dict):
-        super().__init__()
         from specdec.engine import build_proposer
 
         self.args = AppArgs(**args)
+        super().__init__(self.args.num_threads)
         self.proposer = build_proposer(self.args.draft, _engine_config(self.args))
         self.calls = 0
 
@@ -85,10 +93,10 @@ class Drafter(_Replica):
 @serve.deployment(name="Verifier", max_ongoing_requests=16)
 class Verifier(_Replica):
     def __init__(self, args: dict):
-        super().__init__()
         from specdec.engine import build_verifier
 
         self.args = AppArgs(**args)
+        super().__init__(self.args.num_threads)
         self.verifier = build_verifier(_engine_config(self.args))
 
     async def verify(self, requests):
