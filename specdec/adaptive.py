@@ -47,6 +47,7 @@ class AdaptiveK:
     prior_acceptance: float = 0.5  # acceptance assumed before any draft was verified
     prior_weight: float = 4.0  # pseudo-drafts behind the prior in each sequence's estimate
     verify_cost: LinearFit = field(default_factory=lambda: LinearFit(0.06, 0.01))  # s vs tokens in pass
+    ema_decay: float = 0.99  # per round: how fast the global acceptance estimate forgets
     draft_cost: LinearFit = field(default_factory=lambda: LinearFit(0.005, 0.001))  # s per draft step vs batch
     _drafted: float = 0.0
     _accepted: float = 0.0
@@ -82,8 +83,9 @@ class AdaptiveK:
         return [min(best, b) for b in budgets]
 
     def observe_round(self, num_drafted: int, num_accepted: int) -> None:
-        self._drafted = 0.99 * self._drafted + num_drafted
-        self._accepted = 0.99 * self._accepted + num_accepted
+        d = self.ema_decay  # running estimate of what the verifier accepted, not a preset rate
+        self._drafted = d * self._drafted + num_drafted
+        self._accepted = d * self._accepted + num_accepted
 
     def observe_verify(self, tokens_in_pass: int, seconds: float) -> None:
         self.verify_cost.observe(tokens_in_pass, seconds)
