@@ -80,7 +80,6 @@ class OpenAIIngress:
         self.loop = RoundLoop(drafter, verifier, self.args.max_batch_size, self.args.num_shards, adaptive,
                               self.args.verifier_retry_s, self.args.drafter_timeout_s)
         self.has_drafter = drafter is not None
-        self.verifier_handle, self.drafter_handle = verifier, drafter
         self.metrics = ServeMetrics()
         self.created = now()
 

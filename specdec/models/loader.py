@@ -1,7 +1,6 @@
 """Load a model by spec: 'default' (embedded SmolLM2), 'tiny[:opts]', an HF directory, or a .gguf."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -79,8 +78,3 @@ def _convert_gguf(gguf: Path, target: Path, progress: bool) -> Path:
         _convert(gguf, target, progress)
     return target
 
-
-def model_info(spec: str) -> dict:
-    d = model_dir(spec, progress=False)
-    return {"spec": spec, "path": str(d) if d else None,
-            "config": json.loads((d / "config.json").read_text()) if d else None}

@@ -49,9 +49,6 @@ class ModelRunner:
         self.evictions = 0
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def has(self, seq_id: str) -> bool:
-        return seq_id in self.slots
-
     def free(self, seq_id: str) -> bool:
         slot = self.slots.pop(seq_id, None)
         if slot is not None:
