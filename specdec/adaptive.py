@@ -1,11 +1,15 @@
 """Adaptive speculation: pick K each round to maximise expected tokens per second.
 
-With per-draft acceptance a (assumed independent per position), K drafts yield on average
-E(K) = (1 - a^(K+1)) / (1 - a) tokens per verifier pass. A round costs the draft steps plus one
-verifier pass over all the batch's tokens, both measured online as linear fits (so the cost
-curve of the machine, and the growth of verify cost with load, are what decide). K = 0 is
-chosen whenever speculation would not pay; a probe round now and then keeps the acceptance
-estimate fresh so speculation can come back."""
+With acceptance a_i at draft position i (given the drafts before it were accepted; a draft's
+later guesses are worse, so a_i falls with i), K drafts yield on average
+E(K) = 1 + a_1 + a_1 a_2 + ... + a_1...a_K tokens per verifier pass. The a_i are learned over
+all sequences; a sequence's own record scales them. A round costs one draft call (a fixed
+part, e.g. an RPC, plus a part per sequence-step) and one verifier pass over all the batch's
+tokens. Both are measured online: the verify cost as a curve over tokens per pass (it is flat
+while the weights' memory traffic dominates and steep once a big batch makes it compute-bound,
+so no single line fits both 1 user and 16), the draft cost as a line. K = 0 is chosen whenever
+speculation would not pay; a probe round now and then keeps the estimates fresh so speculation
+can come back, less and less often while probes keep saying no."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -35,6 +39,37 @@ class LinearFit:
         return max(a + b * x, 1e-6)
 
 
+class CostCurve:
+    """Seconds per pass vs tokens in the pass, learned online: an EMA at every size seen, linear
+    in between. Outside the sizes seen, the prior's shape is scaled to the nearest measurement
+    (a prior that says extra tokens cost something keeps unexplored big passes from looking free)."""
+
+    def __init__(self, a: float, b: float, new_weight: float = 0.3):
+        self.prior_a, self.prior_b = a, b
+        self.new_weight = new_weight  # EMA weight of a new measurement at its size
+        self.points: dict[int, float] = {}
+
+    def prior(self, x: float) -> float:
+        return self.prior_a + self.prior_b * x
+
+    def observe(self, x: int, y: float) -> None:
+        old = self.points.get(x)
+        self.points[x] = y if old is None else old + self.new_weight * (y - old)
+
+    def __call__(self, x: int) -> float:
+        if x in self.points:
+            return self.points[x]
+        if not self.points:
+            return self.prior(x)
+        lo = max((p for p in self.points if p < x), default=None)
+        hi = min((p for p in self.points if p > x), default=None)
+        if lo is not None and hi is not None:
+            w = (x - lo) / (hi - lo)
+            return (1 - w) * self.points[lo] + w * self.points[hi]
+        near = lo if lo is not None else hi
+        return self.points[near] * self.prior(x) / self.prior(near)
+
+
 def expected_tokens(a: float, k: int) -> float:
     a = min(max(a, 0.0), 0.999)
     return (1 - a ** (k + 1)) / (1 - a)
@@ -43,15 +78,45 @@ def expected_tokens(a: float, k: int) -> float:
 @dataclass
 class AdaptiveK:
     k_max: int = 8  # largest K considered
-    probe_every: int = 16  # rounds between forced probes while K = 0 is chosen
+    probe_every: int = 16  # rounds at K = 0 before the first probe; doubles after each failed probe
+    max_probe_every: int = 256  # longest wait between probes
+    min_gain: float = 0.03  # speculate only when predicted to beat K = 0 by this much (the model errs)
     prior_acceptance: float = 0.5  # acceptance assumed before any draft was verified
     prior_weight: float = 4.0  # pseudo-drafts behind the prior in each sequence's estimate
-    verify_cost: LinearFit = field(default_factory=lambda: LinearFit(0.06, 0.01))  # s vs tokens in pass
-    ema_decay: float = 0.99  # per round: how fast the global acceptance estimate forgets
-    draft_cost: LinearFit = field(default_factory=lambda: LinearFit(0.005, 0.001))  # s per draft step vs batch
+    verify_prior: tuple[float, float] = (0.06, 0.01)  # s per verifier pass = a + b * tokens, until measured
+    ema_decay: float = 0.995  # per drafted token: how fast the global acceptance estimate forgets
+    draft_cost: LinearFit = field(default_factory=lambda: LinearFit(0.002, 0.0015))  # s per draft call vs K x batch
     _drafted: float = 0.0
     _accepted: float = 0.0
+    _tried: list[float] = field(default_factory=list)  # per draft position: drafts that were reached
+    _hit: list[float] = field(default_factory=list)  # per draft position: drafts accepted
     _rounds_at_zero: int = 0
+    _probe_wait: int = 0  # current rounds between probes (0 = probe_every)
+    _probing: bool = False  # the last choice was a forced probe
+    # one cost curve per batch size: the same tokens cost more spread over more sequences
+    # (padding, masks), so a curve learned at 1 user would mislead at 4
+    _verify_by_batch: dict[int, CostCurve] = field(default_factory=dict)
+
+    def verify_cost(self, batch: int, tokens: int) -> float:
+        curve = self._verify_by_batch.get(batch)
+        if curve is None:  # a batch size not seen yet: the nearest one seen, scaled by the prior
+            if not self._verify_by_batch:
+                return self.verify_prior[0] + self.verify_prior[1] * tokens
+            near = min(self._verify_by_batch, key=lambda b: abs(b - batch))
+            curve = self._verify_by_batch[near]
+            return curve(round(tokens * near / batch)) * batch / near
+        return curve(tokens)
+
+    def __post_init__(self):
+        self._tried, self._hit = [0.0] * self.k_max, [0.0] * self.k_max
+
+    def position_acceptance(self) -> list[float]:
+        """a_1..a_k_max; a position with little data leans on the one before it."""
+        out, prev = [], self.global_acceptance()
+        for tried, hit in zip(self._tried, self._hit):
+            prev = (hit + prev * self.prior_weight) / (tried + self.prior_weight)
+            out.append(prev)
+        return out
 
     def global_acceptance(self) -> float:
         return (self._accepted + self.prior_acceptance * 8) / (self._drafted + 8)
@@ -65,31 +130,57 @@ class AdaptiveK:
         """One K for the batch (each capped by its sequence's budget); budgets[i] = most drafts
         sequence i can use this round."""
         B = len(acceptances)
+        g, pos = self.global_acceptance(), self.position_acceptance()
+        # E(k) per sequence for every k: its acceptances are the positions' scaled by its record
+        gains = []
+        for a in acceptances:
+            e, p = [1.0], 1.0
+            for ai in pos:
+                p *= min(ai * a / g, 0.999)
+                e.append(e[-1] + p)
+            gains.append(e)
 
         def rate(k: int) -> float:
             ks = [min(k, b) for b in budgets]
-            tokens = sum(expected_tokens(a, ki) for a, ki in zip(acceptances, ks))
-            t = self.verify_cost(sum(ks) + B) + (self.draft_cost(B) * max(ks) if k else 0.0)
+            tokens = sum(e[ki] for e, ki in zip(gains, ks))
+            t = self.verify_cost(B, sum(ks) + B) + (self.draft_cost(max(ks) * B) if k else 0.0)
             return tokens / t
 
         limit = min(self.k_max, max(budgets, default=0))
         best = max(range(limit + 1), key=rate)
+        if best and rate(best) < (1 + self.min_gain) * rate(0):
+            best = 0
+        if self._probing:  # the last round was a probe: did it change the verdict?
+            self._probe_wait = 0 if best > 0 else min(2 * (self._probe_wait or self.probe_every), self.max_probe_every)
+        self._probing = False
         if best == 0 and limit > 0:
             self._rounds_at_zero += 1
-            if self._rounds_at_zero >= self.probe_every:
-                self._rounds_at_zero, best = 0, 1
+            if self._rounds_at_zero >= (self._probe_wait or self.probe_every):
+                self._rounds_at_zero, best, self._probing = 0, 1, True
         else:
             self._rounds_at_zero = 0
         return [min(best, b) for b in budgets]
 
-    def observe_round(self, num_drafted: int, num_accepted: int) -> None:
-        d = self.ema_decay  # running estimate of what the verifier accepted, not a preset rate
+    def observe_round(self, drafted_accepted: list[tuple[int, int]]) -> None:
+        """(drafts, accepted) of each sequence in a verified round."""
+        # running estimates of what the verifier accepted, not preset rates; they forget per
+        # drafted token, so long stretches at K = 0 do not drift them back to the prior
+        num_drafted = sum(k for k, _ in drafted_accepted)
+        d = self.ema_decay ** num_drafted
         self._drafted = d * self._drafted + num_drafted
-        self._accepted = d * self._accepted + num_accepted
+        self._accepted = d * self._accepted + sum(n for _, n in drafted_accepted)
+        self._tried = [d * t for t in self._tried]
+        self._hit = [d * h for h in self._hit]
+        for k, n in drafted_accepted:
+            for i in range(min(n + 1, k, self.k_max)):  # positions up to the first rejection were reached
+                self._tried[i] += 1
+                self._hit[i] += i < n
 
-    def observe_verify(self, tokens_in_pass: int, seconds: float) -> None:
-        self.verify_cost.observe(tokens_in_pass, seconds)
+    def observe_verify(self, batch: int, tokens_in_pass: int, seconds: float) -> None:
+        if batch not in self._verify_by_batch:
+            self._verify_by_batch[batch] = CostCurve(*self.verify_prior)
+        self._verify_by_batch[batch].observe(tokens_in_pass, seconds)
 
     def observe_draft(self, batch: int, steps: int, seconds: float) -> None:
         if steps:
-            self.draft_cost.observe(batch, seconds / steps)
+            self.draft_cost.observe(batch * steps, seconds)

@@ -18,8 +18,8 @@ class SpecMetrics:
     t_first_token: float | None = None
     t_finish: float | None = None
 
-    def record_round(self, num_drafted: int, num_accepted: int) -> None:
-        self.num_verifier_passes += 1
+    def record_round(self, num_drafted: int, num_accepted: int, num_passes: int = 1) -> None:
+        self.num_verifier_passes += num_passes
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
         for per, n in ((self.drafted_per_position, num_drafted), (self.accepted_per_position, num_accepted)):

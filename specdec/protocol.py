@@ -33,11 +33,15 @@ class VerifyRequest:
     draft_token_ids: list[int]  # K proposed tokens (may be empty: plain decoding)
     draft_probs: Tensor | None  # [K, V] or None for one-hot q
     params: SamplingParams
+    # without drafts: plain decoding steps in this one call (vLLM's multi-step scheduling), so
+    # the per-call overhead of a remote verifier is paid once per several tokens
+    num_steps: int = 1
 
 
 @dataclass
 class VerifyResult:
-    token_ids: list[int]  # accepted drafts followed by one recovered or bonus token
+    token_ids: list[int]  # accepted drafts, one recovered or bonus token, then any further plain steps
     num_accepted: int  # drafts accepted (len(token_ids) - 1)
     num_drafted: int  # K of this round
     feature: Tensor | None = None  # [dim] verifier hidden state that predicted the last emitted token
+    num_passes: int = 1  # verifier forward passes that produced token_ids (num_steps of the request)

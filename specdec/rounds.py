@@ -21,6 +21,9 @@ class Round:
             acc = [adaptive.acceptance(s.metrics.num_accepted, s.metrics.num_drafted) for s in batch]
             budgets = adaptive.choose(acc, budgets)
         self.ks = budgets
+        # a sequence's first verify (and first draft) also prefills its prompt: such rounds would
+        # teach the cost models that passes are dearer than they are, so they are not observed
+        self.prefill_verify = any(not s.output_ids for s in batch)
         self.drafts: list[Proposal] = [Proposal([], None) for _ in batch]
         self.t_draft = 0.0
 
@@ -38,17 +41,24 @@ class Round:
         for i, p in zip(idx, proposals):
             self.drafts[i] = p
         self.t_draft += seconds
-        if self.adaptive is not None:
+        if self.adaptive is not None and all(self.batch[i].metrics.num_drafted for i in idx):
             self.adaptive.observe_draft(len(idx), max((len(p.token_ids) for p in proposals), default=0), seconds)
 
-    def verify_requests(self) -> list[VerifyRequest]:
-        return [VerifyRequest(s.seq_id, list(s.tokens), d.token_ids, d.probs, s.params)
+    def verify_requests(self, decode_steps: int = 1) -> list[VerifyRequest]:
+        """decode_steps > 1: if no sequence has drafts this round, ask for that many plain
+        decoding steps in the one verifier call (each capped by what its sequence may emit)."""
+        if any(d.token_ids for d in self.drafts):
+            decode_steps = 1
+        return [VerifyRequest(s.seq_id, list(s.tokens), d.token_ids, d.probs, s.params, max(1, min(decode_steps, s.room())))
                 for s, d in zip(self.batch, self.drafts)]
 
     def commit(self, results: list[VerifyResult], verify_seconds: float) -> list[tuple[Sequence, Delta]]:
         if self.adaptive is not None:
-            self.adaptive.observe_verify(sum(r.num_drafted + 1 for r in results), verify_seconds)
-            self.adaptive.observe_round(sum(r.num_drafted for r in results), sum(r.num_accepted for r in results))
+            if not self.prefill_verify:
+                # a multi-step call is observed as that many passes of its one-step cost
+                n = max(r.num_passes for r in results)
+                self.adaptive.observe_verify(len(results), sum(r.num_drafted + 1 for r in results), verify_seconds / n)
+            self.adaptive.observe_round([(r.num_drafted, r.num_accepted) for r in results])
         return [(s, s.commit(r)) for s, r in zip(self.batch, results)]
 
 

@@ -65,7 +65,7 @@ class Sequence:
         return max(0, min(k, self.room() - 1))
 
     def commit(self, result: VerifyResult) -> Delta:
-        self.metrics.record_round(result.num_drafted, result.num_accepted)
+        self.metrics.record_round(result.num_drafted, result.num_accepted, result.num_passes)
         new: list[int] = []
         for tok in result.token_ids:
             if tok in self._stop_ids:

@@ -27,7 +27,8 @@ class Verifier:
         t0 = time.perf_counter()
         ids = [r.seq_id for r in requests]
         ks = [len(r.draft_token_ids) for r in requests]
-        last = self.runner.catch_up(ids, [r.tokens for r in requests], [k + 1 for k in ks])
+        steps = [r.num_steps if k == 0 else 1 for r, k in zip(requests, ks)]
+        last = self.runner.catch_up(ids, [r.tokens for r in requests], [max(k + 1, n) for k, n in zip(ks, steps)])
         inputs = [[t] + r.draft_token_ids for t, r in zip(last, requests)]  # [B, K_i + 1] ragged
         hidden, valid = self.runner.forward(ids, inputs)  # [B, T, dim]
         hidden = hidden[valid]  # [sum(K_i + 1), dim], only the real rows
@@ -51,5 +52,31 @@ class Verifier:
             r0 += k + 1
         self.passes += 1
         self.batch_sizes.append(len(requests))
+        if max(steps) > 1:
+            self._decode_more(requests, results, steps)
         self.busy_s += time.perf_counter() - t0
         return results
+
+    def _decode_more(self, requests: list[VerifyRequest], results: list[VerifyResult], steps: list[int]) -> None:
+        """Steps 2..num_steps of plain decoding, batched over the requests that asked for them.
+        Each step samples exactly as a separate draft-free round would (same rejection-sampler
+        path, same per-position generator), so output does not depend on num_steps."""
+        for step in range(1, max(steps)):
+            idx = [b for b, n in enumerate(steps) if n > step]
+            ids = [requests[b].seq_id for b in idx]
+            hidden, _ = self.runner.forward(ids, [[results[b].token_ids[-1]] for b in idx])  # [B', 1, dim]
+            hidden = hidden[:, 0]  # [B', dim]
+            logits = self.runner.model.logits(hidden)  # [B', V]
+            reqs = [requests[b] for b in idx]
+            rows = torch.cat([logits[j : j + 1] if r.params.greedy else logits_to_probs(logits[j : j + 1], r.params)
+                              for j, r in enumerate(reqs)])
+            gens = [None if r.params.greedy else
+                    round_generator(r.params.seed, len(r.tokens) + step, "verify", self.runner.device) for r in reqs]
+            out = rejection_sample(torch.empty(0, dtype=torch.long, device=logits.device), [0] * len(reqs),
+                                   [None] * len(reqs), rows, [r.params.greedy for r in reqs], gens)  # [B', 1]
+            for j, b in enumerate(idx):
+                results[b].token_ids.append(int(out[j, 0]))
+                results[b].feature = hidden[j].float().cpu().clone()
+                results[b].num_passes += 1
+            self.passes += 1
+            self.batch_sizes.append(len(idx))

@@ -1,7 +1,7 @@
 """Adaptive K: follows acceptance and measured costs, turns speculation off when it cannot pay,
 probes to come back, and never changes greedy output."""
 from conftest import make_engine, ragged_prompts
-from specdec.adaptive import AdaptiveK, LinearFit, expected_tokens
+from specdec.adaptive import AdaptiveK, CostCurve, LinearFit, expected_tokens
 from specdec.models.tiny import noisy_copy
 from specdec.sampling import SamplingParams
 
@@ -10,7 +10,7 @@ def costs(verify_1=0.06, per_token=0.005, draft=0.004) -> AdaptiveK:
     ak = AdaptiveK(k_max=8)
     for _ in range(50):
         for n in (1, 3, 5, 9):
-            ak.observe_verify(n, verify_1 + per_token * (n - 1))
+            ak.observe_verify(1, n, verify_1 + per_token * (n - 1))
         ak.observe_draft(1, 4, 4 * draft)
     return ak
 
@@ -21,6 +21,71 @@ def test_linear_fit_learns_the_cost_curve():
         for x in (1, 2, 5, 9):
             fit.observe(x, 0.05 + 0.01 * x)
     assert abs(fit(5) - 0.10) < 1e-3 and abs(fit(1) - 0.06) < 1e-3
+
+
+def test_cost_curve_interpolates_and_scales_the_prior_outside_what_it_saw():
+    curve = CostCurve(0.06, 0.01)
+    assert abs(curve(5) - 0.11) < 1e-9  # nothing seen yet: the prior
+    curve.observe(16, 0.15)
+    curve.observe(32, 0.25)
+    assert abs(curve(24) - 0.20) < 1e-9
+    assert abs(curve(8) - 0.15 * 0.14 / 0.22) < 1e-9  # below: the prior's shape through (16, 0.15)
+    assert curve(64) > curve(32)
+    curve.observe(16, 0.25)
+    assert 0.15 < curve(16) < 0.25  # an EMA, not the last value
+
+
+def test_a_flat_then_steep_curve_speculates_alone_but_not_in_a_big_batch():
+    # 1 user: 5 tokens cost 1.2x one; 16 users: compute-bound, 32 tokens cost 1.9x 16
+    ak = AdaptiveK(k_max=4)
+    for _ in range(20):
+        for b, x, y in ((1, 1, 0.050), (1, 2, 0.052), (1, 3, 0.055), (1, 5, 0.060), (16, 16, 0.20), (16, 32, 0.38)):
+            ak.observe_verify(b, x, y)
+        ak.observe_draft(1, 2, 0.004)
+        ak.observe_draft(16, 1, 0.010)
+    assert ak.choose([0.4], [4])[0] > 0
+    assert ak.choose([0.4] * 16, [4] * 16) == [0] * 16
+
+
+def test_an_unseen_batch_size_borrows_the_nearest_curve():
+    ak = AdaptiveK()
+    for x, y in ((4, 0.08), (8, 0.10)):
+        ak.observe_verify(4, x, y)
+    assert abs(ak.verify_cost(8, 16) - 2 * 0.10) < 1e-9
+    assert ak.verify_cost(4, 8) == 0.10
+
+
+def test_acceptance_estimate_does_not_drift_back_to_the_prior_at_k0():
+    ak = costs()
+    for _ in range(50):
+        ak.observe_round([(4, 0)])
+    low = ak.global_acceptance()
+    for _ in range(1000):
+        ak.observe_round([(0, 0)])
+    assert low < 0.1 and ak.global_acceptance() == low
+
+
+def test_acceptance_is_learned_per_draft_position():
+    ak = AdaptiveK(k_max=4)
+    for _ in range(100):  # the first draft is accepted 60% of the time, later ones never
+        ak.observe_round([(4, 1)] * 6 + [(4, 0)] * 4)
+    a1, a2 = ak.position_acceptance()[:2]
+    assert abs(a1 - 0.6) < 0.05 and a2 < 0.1
+    for b, x, y in ((1, 1, 0.050), (1, 2, 0.052), (1, 3, 0.054), (1, 5, 0.058)):
+        for _ in range(5):
+            ak.observe_verify(b, x, y)
+    assert ak.choose([ak.global_acceptance()], [4]) == [1]  # deeper drafts would be wasted
+
+
+def test_failed_probes_back_off():
+    ak = costs(draft=0.03)
+    gaps, since = [], 0
+    for _ in range(300):
+        since += 1
+        if ak.choose([0.05], [8])[0]:
+            gaps.append(since)
+            since = 0
+    assert gaps[:4] == [16, 32, 64, 128]
 
 
 def test_expected_tokens():

@@ -147,3 +147,23 @@ def test_metrics_reported(tiny_target):
         assert key in m
     assert m["num_output_tokens"] == 40
     assert m["mean_accepted_length"] == pytest.approx(1 + m["num_accepted"] / m["num_verifier_passes"], abs=1e-3)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=13, ignore_eos=True),
+                                    SamplingParams(max_tokens=13, ignore_eos=True, temperature=0.9, seed=7)],
+                         ids=["greedy", "sampled"])
+def test_multi_step_decoding_equals_single_steps(tiny_target, params):
+    from specdec.rounds import Round
+
+    prompts = ragged_prompts(5)
+    want = make_engine(tiny_target, k=0).generate(prompts, params)
+    eng = make_engine(tiny_target, k=0)
+    seqs = [eng.add_request(p, params) for p in prompts]
+    calls = 0
+    while any(not s.finished for s in seqs):
+        rnd = Round([s for s in seqs if not s.finished], eng._proposer_of, None)
+        rnd.commit(eng.verifier.verify(rnd.verify_requests(decode_steps=4)), 0.0)
+        calls += 1
+    assert [s.output_ids for s in seqs] == [w.token_ids for w in want]
+    assert calls == 4  # 13 tokens in steps of 4, capped by what may still be emitted
+    assert all(s.metrics.num_verifier_passes == 13 for s in seqs)

@@ -24,8 +24,9 @@ def server(tmp_path_factory):
     keys.write_text(f"{KEY}\nsk-other\n")
     with serve_cluster() as url:
         verifier, drafter = run_app("specdec", "/", {**TINY, "api_keys_file": str(keys)})
-        run_app("limited", "/limited", {**TINY, "draft": "none", "rate_limit": "4/minute",
-                                        "request_timeout_s": 1.0, "api_keys_env": None})
+        # one decoding step per call keeps a 200-token request well over its 0.5 s timeout
+        run_app("limited", "/limited", {**TINY, "draft": "none", "rate_limit": "4/minute", "decode_steps": 1,
+                                        "request_timeout_s": 0.5, "api_keys_env": None})
         yield {"url": url, "verifier": verifier, "drafter": drafter}
 
 
