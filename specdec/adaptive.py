@@ -70,11 +70,6 @@ class CostCurve:
         return self.points[near] * self.prior(x) / self.prior(near)
 
 
-def expected_tokens(a: float, k: int) -> float:
-    a = min(max(a, 0.0), 0.999)
-    return (1 - a ** (k + 1)) / (1 - a)
-
-
 @dataclass
 class AdaptiveK:
     k_max: int = 8  # largest K considered

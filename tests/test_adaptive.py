@@ -1,7 +1,7 @@
 """Adaptive K: follows acceptance and measured costs, turns speculation off when it cannot pay,
 probes to come back, and never changes greedy output."""
 from conftest import make_engine, ragged_prompts
-from specdec.adaptive import AdaptiveK, CostCurve, LinearFit, expected_tokens
+from specdec.adaptive import AdaptiveK, CostCurve, LinearFit
 from specdec.models.tiny import noisy_copy
 from specdec.sampling import SamplingParams
 
@@ -86,11 +86,6 @@ def test_failed_probes_back_off():
             gaps.append(since)
             since = 0
     assert gaps[:4] == [16, 32, 64, 128]
-
-
-def test_expected_tokens():
-    assert expected_tokens(0.0, 4) == 1.0
-    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
 
 
 def test_high_acceptance_cheap_draft_speculates_deep():
