@@ -98,6 +98,10 @@ class Verifier(_Replica):
         self.args = AppArgs(**args)
         super().__init__(self.args.num_threads)
         self.verifier = build_verifier(_engine_config(self.args))
+        from specdec.models.layouts import maybe_tune
+
+        # on the compute thread, with its thread count: kernels are chosen per thread team
+        self._pool.submit(maybe_tune, self.verifier.runner.model).result()
 
     async def verify(self, requests):
         await self._touch_shard()

@@ -91,6 +91,10 @@ class SpecEngine:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         verifier = build_verifier(cfg)
+        if cfg.tune_layouts:
+            from specdec.models.layouts import maybe_tune
+
+            maybe_tune(verifier.runner.model)
         proposer = build_proposer(cfg.draft, cfg, verifier.runner.model)
         extra = {} if cfg.draft == "ngram" else {"ngram": NgramProposer(max_n=cfg.ngram_max)}
         return cls(verifier, proposer, TextTokenizer(load_tokenizer(cfg.verifier, cfg.progress)), cfg, extra)

@@ -58,24 +58,36 @@ class ModelArgs:
 
 
 class Linear(nn.Module):
-    """y = x W^T + b with W stored transposed, [in, out] contiguous.
+    """y = x W^T + b with W stored transposed, [in, out] contiguous, plus (after `set_layouts`)
+    an [out, in] copy used for the row counts where that layout is faster.
 
-    Why: on CPU, x @ W_t with W_t contiguous is the fast layout for the few-row matmuls of
-    a verify pass (measured here: the 49152-wide LM head at 5 rows took 19 ms this way against
-    25 ms with nn.Linear's layout, the MLP up-projection 0.38 ms against 0.60 ms), and the
-    same for one row. That is most of what makes a (K+1)-token pass cost little more than one."""
+    Why: which layout makes a few-row CPU matmul fast depends on the machine's BLAS kernels,
+    and the matmuls are most of what a (K+1)-token verify pass costs over a 1-token one.
+    Measured on two machines of this kind: on one, the 49152-wide LM head at 5 rows took 19 ms
+    as x @ W_t against 25 ms in nn.Linear's layout; on another, x @ W_t took 4.6 ms at 1 row but
+    15.4 ms at 2 rows, where nn.Linear's layout took 7.3 ms. `models.layouts` times both."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool = False):
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(d_in, d_out))
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+        self._w: Tensor | None = None  # [out, in] copy, or None when x @ W_t always wins
+        self._use_w: tuple[bool, ...] = ()  # by input rows (the last entry for more rows)
 
     @property
     def weight(self) -> Tensor:
         """[out, in] view, as nn.Linear names it."""
         return self.weight_t.t()
 
+    def set_layouts(self, use_w: tuple[bool, ...]) -> None:
+        self._use_w = use_w if any(use_w) else ()
+        self._w = self.weight_t.detach().t().contiguous() if self._use_w else None
+
     def forward(self, x: Tensor) -> Tensor:
+        if self._w is not None:
+            rows = x.numel() // x.shape[-1]
+            if self._use_w[min(rows, len(self._use_w) - 1)]:
+                return F.linear(x, self._w, self.bias)
         y = x @ self.weight_t
         return y + self.bias if self.bias is not None else y
 
