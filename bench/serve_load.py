@@ -1,9 +1,11 @@
 """Load test of the Serve app (127.0.0.1 only, bounded): 1, 4 and 16 concurrent users, speculation
 on and off, plus the in-process engine at one user for comparison.
 
-    .venv/bin/python bench/serve_load.py [--tiny] [--users 1 4 16] [--requests 2] [--max-tokens 64]
+    .venv/bin/python bench/serve_load.py [--tiny] [--users 1 4 16] [--reps 3] [--max-tokens 64]
 
-Reports aggregate tok/s, p50/p99 latency, TTFT and the verifier's mean batch size, and writes
+Each level runs --reps times with speculation on and off alternating first (the in-process engine
+runs between the 1-user reps), so drift favours neither; reports the median aggregate tok/s,
+p50/p99 latency, TTFT and the verifier's mean batch size, and writes
 bench/results/serve_load[-tiny].json."""
 from __future__ import annotations
 
@@ -48,48 +50,59 @@ async def one_request(client, url, model, i, max_tokens, spec: bool) -> dict:
             "acceptance_rate": usage["speculative"]["acceptance_rate"]}
 
 
-async def run_level(url, model, users, requests, max_tokens, spec) -> dict:
+async def run_level(url, model, users, requests, max_tokens, spec, offset=0) -> dict:
     import httpx
 
     async with httpx.AsyncClient() as client:
         async def user(u):
-            return [await one_request(client, url, model, u * requests + j, max_tokens, spec) for j in range(requests)]
+            return [await one_request(client, url, model, offset + u * requests + j, max_tokens, spec)
+                    for j in range(requests)]
 
         t0 = time.perf_counter()
         per_user = await asyncio.gather(*(user(u) for u in range(users)))
         wall = time.perf_counter() - t0
     rs = [r for rr in per_user for r in rr]
     lat = sorted(r["latency_s"] for r in rs)
+    return {"tokens_per_s": sum(r["tokens"] for r in rs) / wall, "requests": rs}
+
+
+def merge(users: int, spec: bool, reps: list[dict]) -> dict:
+    """One table row from repeated runs: the median rep's throughput, latencies over all requests."""
+    rs = [r for rep in reps for r in rep["requests"]]
+    lat = sorted(r["latency_s"] for r in rs)
+    tps = [rep["tokens_per_s"] for rep in reps]
     return {"users": users, "speculation": spec, "requests": len(rs), "tokens": sum(r["tokens"] for r in rs),
-            "aggregate_tokens_per_s": sum(r["tokens"] for r in rs) / wall, "p50_latency_s": st.median(lat),
-            "p99_latency_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+            "aggregate_tokens_per_s": st.median(tps), "aggregate_tokens_per_s_reps": tps,
+            "p50_latency_s": st.median(lat), "p99_latency_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
             "mean_ttft_s": st.mean(r["ttft_s"] for r in rs if r["ttft_s"] is not None),
             "acceptance_rate": st.mean(r["acceptance_rate"] for r in rs)}
 
 
-def in_process_tps(args_override, max_tokens, n=2) -> float:
+def in_process_engine(args_override):
+    import torch
+
     from specdec.config import EngineConfig
     from specdec.engine import SpecEngine
+
+    torch.set_num_threads(2)
+    return SpecEngine.from_config(EngineConfig(verifier=args_override.get("verifier", "default"),
+                                               draft=args_override.get("draft", "default"), adaptive=True,
+                                               num_speculative_tokens=8, max_seqs=4, progress=False))
+
+
+def in_process_tps(eng, i: int, max_tokens: int) -> float:
     from specdec.sampling import SamplingParams
 
-    eng = SpecEngine.from_config(EngineConfig(verifier=args_override.get("verifier", "default"),
-                                              draft=args_override.get("draft", "default"), adaptive=True,
-                                              num_speculative_tokens=8, max_seqs=4, progress=False))
-    tok = total = 0.0
-    for i in range(n + 1):
-        msgs = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
-        c = eng.generate([msgs], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
-        if i:  # the first is warm-up
-            tok += len(c.token_ids)
-            total += c.metrics.latency_s
-    return tok / total
+    msgs = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+    c = eng.generate([msgs], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
+    return len(c.token_ids) / c.metrics.latency_s
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tiny", action="store_true", help="tiny random models instead of the default pair")
     ap.add_argument("--users", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--requests", type=int, default=2, help="requests per user, sent one after another")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions per level; speculation on/off alternate")
     ap.add_argument("--max-tokens", type=int, default=64)
     a = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -101,20 +114,29 @@ def main() -> int:
     if a.tiny:
         override.update(verifier="tiny", draft="tiny:noise=0.05", model_name="tiny")
     model = override.get("model_name", "SmolLM2-135M-Instruct")
-    rows = []
+    rows, engine_runs = [], []
+    eng = in_process_engine(override)  # the in-process engine, run between the 1-user Serve reps
+    in_process_tps(eng, 0, 16)  # warm-up
     with serve_cluster() as url:
         verifier, _ = run_app("specdec", "/", override)
         asyncio.run(run_level(url, model, 1, 1, 16, True))  # warm-up
         for users in a.users:
+            reps = {True: [], False: []}
+            sizes = {True: [], False: []}
+            for rep in range(a.reps):  # alternate the order so drift favours neither
+                for spec in ((True, False) if rep % 2 == 0 else (False, True)):
+                    before = len(verifier.stats.remote().result()["batch_sizes"])
+                    reps[spec].append(asyncio.run(run_level(url, model, users, 1, a.max_tokens, spec, offset=rep * users)))
+                    sizes[spec] += verifier.stats.remote().result()["batch_sizes"][before:]
+                if users == 1:
+                    engine_runs.append(in_process_tps(eng, rep, a.max_tokens))
             for spec in (True, False):
-                before = verifier.stats.remote().result()["batch_sizes"]
-                row = asyncio.run(run_level(url, model, users, a.requests, a.max_tokens, spec))
-                sizes = verifier.stats.remote().result()["batch_sizes"][len(before):]
-                row["verifier_mean_batch_size"] = st.mean(sizes) if sizes else 0.0
+                row = merge(users, spec, reps[spec])
+                row["verifier_mean_batch_size"] = st.mean(sizes[spec]) if sizes[spec] else 0.0
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         serve.delete("specdec")
-    engine_tps = in_process_tps(override, a.max_tokens)
+    engine_tps = st.median(engine_runs) if engine_runs else in_process_tps(eng, 0, a.max_tokens)
     by = {(r["users"], r["speculation"]): r for r in rows}
     one = by.get((1, True), {}).get("aggregate_tokens_per_s")
     summary = {"in_process_engine_tokens_per_s_1_user": engine_tps,
@@ -136,7 +158,8 @@ def main() -> int:
     out = ROOT / "bench" / "results" / f"serve_load{'-tiny' if a.tiny else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "summary": summary, "table": lines,
-                               "config": {"max_tokens": a.max_tokens, "requests_per_user": a.requests}}, indent=1))
+                               "config": {"max_tokens": a.max_tokens, "reps": a.reps,
+                                          "in_process_tokens_per_s_reps": engine_runs}}, indent=1))
     return 0
 
 

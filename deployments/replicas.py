@@ -101,7 +101,9 @@ class Verifier(_Replica):
         from specdec.models.layouts import maybe_tune
 
         # on the compute thread, with its thread count: kernels are chosen per thread team
-        self._pool.submit(maybe_tune, self.verifier.runner.model).result()
+        decided = self._pool.submit(maybe_tune, self.verifier.runner.model).result()
+        # for operators: which layout each weight shape uses by rows ('t' = x @ W_t, 'W' = [out, in])
+        self.layouts = {"x".join(map(str, k[0])): "".join("W" if u else "t" for u in v[1:]) for k, v in decided.items()}
 
     async def verify(self, requests):
         await self._touch_shard()
@@ -115,5 +117,5 @@ class Verifier(_Replica):
     def stats(self) -> dict:
         v = self.verifier
         return {**self.where(), "passes": v.passes, "batch_sizes": list(v.batch_sizes), "busy_s": v.busy_s,
-                "resident_sequences": sorted(v.runner.slots), "evictions": v.runner.evictions}
+                "resident_sequences": sorted(v.runner.slots), "evictions": v.runner.evictions, "layouts": self.layouts}
 

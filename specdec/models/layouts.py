@@ -62,8 +62,11 @@ def tune_layouts(model: torch.nn.Module, max_rows: int = 16, cold_bytes: float =
 
 
 def maybe_tune(model: torch.nn.Module, min_params: int = 10_000_000) -> dict:
-    """tune_layouts for real models on CPU; tiny test models are not worth the seconds."""
+    """tune_layouts for real models on CPU; tiny test models are not worth the seconds.
+    SPECDEC_TUNE_LAYOUTS=0 turns it off (x @ W_t everywhere)."""
+    import os
+
     p = next(model.parameters())
-    if p.device.type != "cpu" or sum(x.numel() for x in model.parameters()) < min_params:
+    if os.environ.get("SPECDEC_TUNE_LAYOUTS", "1") == "0" or p.device.type != "cpu" or sum(x.numel() for x in model.parameters()) < min_params:
         return {}
     return tune_layouts(model)
