@@ -62,7 +62,6 @@ async def run_level(url, model, users, requests, max_tokens, spec, offset=0) -> 
         per_user = await asyncio.gather(*(user(u) for u in range(users)))
         wall = time.perf_counter() - t0
     rs = [r for rr in per_user for r in rr]
-    lat = sorted(r["latency_s"] for r in rs)
     return {"tokens_per_s": sum(r["tokens"] for r in rs) / wall, "requests": rs}
 
 

@@ -32,17 +32,7 @@ class Verifier:
         inputs = [[t] + r.draft_token_ids for t, r in zip(last, requests)]  # [B, K_i + 1] ragged
         hidden, valid = self.runner.forward(ids, inputs)  # [B, T, dim]
         hidden = hidden[valid]  # [sum(K_i + 1), dim], only the real rows
-        logits = self.runner.model.logits(hidden)  # [sum(K_i + 1), V]
-        rows, r0 = [], 0
-        for r, k in zip(requests, ks):
-            block = logits[r0 : r0 + k + 1]
-            rows.append(block if r.params.greedy else logits_to_probs(block, r.params))
-            r0 += k + 1
-        gens = [None if r.params.greedy else round_generator(r.params.seed, len(r.tokens), "verify", self.runner.device)
-                for r in requests]
-        drafts = torch.tensor([t for r in requests for t in r.draft_token_ids], dtype=torch.long, device=logits.device)
-        out = rejection_sample(drafts, ks, [r.draft_probs for r in requests], torch.cat(rows),
-                               [r.params.greedy for r in requests], gens)
+        out = self._sample(requests, ks, self.runner.model.logits(hidden), step=0)  # logits [sum(K_i + 1), V]
         results, r0 = [], 0
         for b, k in enumerate(ks):
             toks = [int(t) for t in out[b] if t != PLACEHOLDER_TOKEN_ID]
@@ -57,6 +47,21 @@ class Verifier:
         self.busy_s += time.perf_counter() - t0
         return results
 
+    def _sample(self, requests: list[VerifyRequest], ks: list[int], logits: torch.Tensor, step: int) -> torch.Tensor:
+        """Rejection-sample each request's block of K_i + 1 rows of logits; `step` > 0 is a
+        further plain step, whose generator is the one a separate round at that position would use."""
+        rows, r0 = [], 0
+        for r, k in zip(requests, ks):
+            block = logits[r0 : r0 + k + 1]
+            rows.append(block if r.params.greedy else logits_to_probs(block, r.params))
+            r0 += k + 1
+        gens = [None if r.params.greedy else
+                round_generator(r.params.seed, len(r.tokens) + step, "verify", self.runner.device) for r in requests]
+        drafts = torch.tensor([t for r in requests for t in r.draft_token_ids] if step == 0 else [],
+                              dtype=torch.long, device=logits.device)
+        probs = [r.draft_probs for r in requests] if step == 0 else [None] * len(requests)
+        return rejection_sample(drafts, ks, probs, torch.cat(rows), [r.params.greedy for r in requests], gens)
+
     def _decode_more(self, requests: list[VerifyRequest], results: list[VerifyResult], steps: list[int]) -> None:
         """Steps 2..num_steps of plain decoding, batched over the requests that asked for them.
         Each step samples exactly as a separate draft-free round would (same rejection-sampler
@@ -66,17 +71,11 @@ class Verifier:
             ids = [requests[b].seq_id for b in idx]
             hidden, _ = self.runner.forward(ids, [[results[b].token_ids[-1]] for b in idx])  # [B', 1, dim]
             hidden = hidden[:, 0]  # [B', dim]
-            logits = self.runner.model.logits(hidden)  # [B', V]
-            reqs = [requests[b] for b in idx]
-            rows = torch.cat([logits[j : j + 1] if r.params.greedy else logits_to_probs(logits[j : j + 1], r.params)
-                              for j, r in enumerate(reqs)])
-            gens = [None if r.params.greedy else
-                    round_generator(r.params.seed, len(r.tokens) + step, "verify", self.runner.device) for r in reqs]
-            out = rejection_sample(torch.empty(0, dtype=torch.long, device=logits.device), [0] * len(reqs),
-                                   [None] * len(reqs), rows, [r.params.greedy for r in reqs], gens)  # [B', 1]
-            for j, b in enumerate(idx):
+            out = self._sample([requests[b] for b in idx], [0] * len(idx), self.runner.model.logits(hidden), step)
+            for j, b in enumerate(idx):  # out: [B', 1]
                 results[b].token_ids.append(int(out[j, 0]))
-                results[b].feature = hidden[j].float().cpu().clone()
                 results[b].num_passes += 1
+                if step == steps[b] - 1:  # its last step: this feature seeds the next draft
+                    results[b].feature = hidden[j].float().cpu().clone()
             self.passes += 1
             self.batch_sizes.append(len(idx))

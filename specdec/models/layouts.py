@@ -6,6 +6,7 @@ each Linear which to use. Run it on the thread (and thread count) that will do t
 OpenMP and BLAS pick kernels per thread team."""
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -64,9 +65,8 @@ def tune_layouts(model: torch.nn.Module, max_rows: int = 16, cold_bytes: float =
 def maybe_tune(model: torch.nn.Module, min_params: int = 10_000_000) -> dict:
     """tune_layouts for real models on CPU; tiny test models are not worth the seconds.
     SPECDEC_TUNE_LAYOUTS=0 turns it off (x @ W_t everywhere)."""
-    import os
-
-    p = next(model.parameters())
-    if os.environ.get("SPECDEC_TUNE_LAYOUTS", "1") == "0" or p.device.type != "cpu" or sum(x.numel() for x in model.parameters()) < min_params:
+    if os.environ.get("SPECDEC_TUNE_LAYOUTS", "1") == "0" or next(model.parameters()).device.type != "cpu":
+        return {}
+    if sum(x.numel() for x in model.parameters()) < min_params:
         return {}
     return tune_layouts(model)
