@@ -98,12 +98,12 @@ class Verifier(_Replica):
         self.args = AppArgs(**args)
         super().__init__(self.args.num_threads)
         self.verifier = build_verifier(_engine_config(self.args))
-        from specdec.models.layouts import maybe_tune
+        from specdec.models.layouts import describe, maybe_tune
 
         # on the compute thread, with its thread count: kernels are chosen per thread team
         decided = self._pool.submit(maybe_tune, self.verifier.runner.model).result()
-        # for operators: which layout each weight shape uses by rows ('t' = x @ W_t, 'W' = [out, in])
-        self.layouts = {"x".join(map(str, k[0])): "".join("W" if u else "t" for u in v[1:]) for k, v in decided.items()}
+        # for operators: the kernel each weight shape uses by rows ('t' x @ W_t, 'w' F.linear, 'p' packed)
+        self.layouts = describe(decided)
 
     async def verify(self, requests):
         await self._touch_shard()

@@ -1,30 +1,50 @@
-"""Weight-layout tuning: the choice changes speed only, never results (beyond float rounding)."""
+"""Kernel tuning: the choice changes speed only, never results (beyond float rounding)."""
+import pytest
 import torch
 
-from specdec.models.layouts import decide, tune_layouts
+from specdec.models.layouts import decide, describe, packing_available, tune_layouts
 from specdec.models.llama import Linear
 
 
-def test_both_layouts_compute_the_same_and_dispatch_by_rows():
+def _linear():
     torch.manual_seed(0)
     lin = Linear(64, 96, bias=True)
     torch.nn.init.normal_(lin.weight_t)
     torch.nn.init.normal_(lin.bias)
+    return lin
+
+
+def test_kernels_compute_the_same_and_dispatch_by_rows():
+    lin = _linear()
     x1, x3 = torch.randn(1, 64), torch.randn(3, 64)
     ref1, ref3 = x1 @ lin.weight_t + lin.bias, x3 @ lin.weight_t + lin.bias
-    lin.set_layouts((False, False, True, True))  # the [out, in] copy from 2 rows on
+    lin.set_kernels("ttww")  # the [out, in] copy from 2 rows on
     assert lin._w is not None and lin._w.is_contiguous()
     assert torch.equal(lin(x1), ref1)  # 1 row: still x @ W_t, bit for bit
     assert torch.allclose(lin(x3), ref3, atol=1e-4)
-    lin.set_layouts((False, False))
+    lin.set_kernels("tt")
     assert lin._w is None
 
 
+@pytest.mark.skipif(not packing_available(), reason="needs torch built with MKL")
+def test_packed_kernel_serves_its_exact_row_count():
+    lin = _linear()
+    lin.set_kernels("tpwpt")  # packed at 1 and 3 rows, F.linear at 2, x @ W_t from 4 on
+    assert sorted(lin._packed) == [1, 3]
+    for rows in (1, 2, 3, 4, 7):
+        x = torch.randn(1, rows, 64)
+        assert torch.allclose(lin(x), x @ lin.weight_t + lin.bias, atol=1e-4)
+    with pytest.raises(AssertionError):
+        lin.set_kernels("ttp")  # the last entry serves every larger row count too
+
+
 def test_decide_covers_every_row_count(tiny_target):
-    use_w = decide(torch.randn(32, 48), max_rows=9, cold_bytes=1e5)
-    assert len(use_w) == 10 and use_w[0] is False
-    decided = tune_layouts(tiny_target, cold_bytes=1e5)
-    assert decided and all(len(v) == 17 for v in decided.values())
+    kernels, unpacked = decide(torch.randn(32, 48), max_rows=9, cold_bytes=1e5)
+    assert len(kernels) == len(unpacked) == 10 and kernels[0] == "t"
+    assert set(unpacked) <= {"t", "w"} and kernels[-1] != "p"
+    decided = tune_layouts(tiny_target, cold_bytes=1e5, pack_budget_bytes=0)  # no room: nothing packed
+    assert decided and all(len(v) == 17 and "p" not in v for v in decided.values())
+    assert all(len(v) == 16 for v in describe(decided).values())
     for m in tiny_target.modules():  # leave the shared fixture as it was
         if isinstance(m, Linear):
-            m.set_layouts(())
+            m.set_kernels("")

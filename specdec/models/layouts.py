@@ -1,9 +1,13 @@
-"""Per-shape choice of weight layout for the few-row CPU matmuls of decoding and verification.
+"""Per-shape choice of matmul kernel for the few-row CPU matmuls of decoding and verification.
 
-For every distinct Linear shape the model has, time x @ W_t against F.linear(x, W) at each row
-count a pass can have (1 ... 9 rows for one sequence's K+1 tokens, more for batches) and tell
-each Linear which to use. Run it on the thread (and thread count) that will do the compute:
-OpenMP and BLAS pick kernels per thread team."""
+For every distinct Linear shape the model has, time x @ W_t, F.linear(x, W) and (where MKL is
+there) MKL's packed GEMM at each row count a pass can have (1 ... 9 rows for one sequence's K+1
+tokens, more for batches) and tell each Linear which to use. Run it on the thread (and thread
+count) that will do the compute: OpenMP and BLAS pick kernels per thread team.
+
+A packed weight serves exactly one row count and costs about one more resident copy of the
+weight, so packing is limited to PACK_ROWS and to a byte budget, filled from the fewest rows up
+(bs 1 verification at small K is the common case)."""
 from __future__ import annotations
 
 import os
@@ -14,12 +18,18 @@ import torch.nn.functional as F
 
 from specdec.models.llama import Linear
 
-ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16)  # row counts timed; those between follow the one below
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # row counts timed; those between follow the one below
+PACK_ROWS = (2, 3, 4, 5, 6, 7, 8, 9)  # row counts that may get a packed copy (bs 1, K = 1 .. 8)
+MARGIN = 0.95  # a kernel replaces the one before it only for a clear win
+
+
+def packing_available() -> bool:
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
 def _cold_time(fns, reps: int = 3) -> float:
     """Seconds per call, each call on a different copy of the weight: in a forward pass the
-    weights come from memory, not cache, and hot-cache timings pick the wrong layout."""
+    weights come from memory, not cache, and hot-cache timings pick the wrong kernel."""
     for f in fns[:2]:
         f()
     best = float("inf")
@@ -32,34 +42,73 @@ def _cold_time(fns, reps: int = 3) -> float:
 
 
 @torch.no_grad()
-def decide(weight_t: torch.Tensor, max_rows: int = 16, cold_bytes: float = 96e6) -> tuple[bool, ...]:
-    """use_w[rows] for rows = 0 .. max_rows: True where the [out, in] layout is faster."""
+def decide(weight_t: torch.Tensor, max_rows: int = 16, cold_bytes: float = 96e6,
+           pack_rows: tuple[int, ...] = PACK_ROWS) -> tuple[str, str]:
+    """(kernels, unpacked): per row count 0 .. max_rows the fastest kernel ("t", "w" or "p"),
+    and the fastest without packing (what a row count falls back to when over the budget)."""
     n_copies = max(2, int(cold_bytes / (weight_t.numel() * weight_t.element_size())))
     wts = [weight_t.clone() for _ in range(n_copies)]
     ws = [w.t().contiguous() for w in wts]
-    measured = {}
+    pack = packing_available() and weight_t.device.type == "cpu" and weight_t.dtype == torch.float32
+    measured: dict[int, tuple[str, str]] = {}
     for m in (r for r in ROWS if r <= max_rows):
         x = torch.randn(m, weight_t.shape[0], dtype=weight_t.dtype, device=weight_t.device)
-        t_w = _cold_time([lambda w=w: F.linear(x, w) for w in ws])
         t_t = _cold_time([lambda wt=wt: x @ wt for wt in wts])
-        measured[m] = t_w < 0.95 * t_t  # switch only for a clear win
-    out, last = [False], False
+        t_w = _cold_time([lambda w=w: F.linear(x, w) for w in ws])
+        best, t_best = ("w", t_w) if t_w < MARGIN * t_t else ("t", t_t)
+        choice = best
+        if pack and m in pack_rows:
+            pks = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in ws]
+            t_p = _cold_time([lambda p=p, w=w: torch.ops.mkl._mkl_linear(x, p, w, None, m) for p, w in zip(pks, ws)])
+            del pks
+            choice = "p" if t_p < MARGIN * t_best else best
+        measured[m] = (choice, best)
+    kernels, unpacked, last = ["t"], ["t"], "t"
     for m in range(1, max_rows + 1):
-        last = measured.get(m, last)
-        out.append(last)
-    return tuple(out)
+        if m in measured:
+            choice, last = measured[m]
+        else:
+            choice = last  # untimed row counts follow the unpacked choice below them
+        kernels.append(choice)
+        unpacked.append(last)
+    kernels[-1] = unpacked[-1]  # the last entry also serves more rows: never an exact-rows packing
+    return "".join(kernels), "".join(unpacked)
 
 
-def tune_layouts(model: torch.nn.Module, max_rows: int = 16, cold_bytes: float = 96e6) -> dict:
-    """Set every Linear's layout table (CPU only); returns the decisions by weight shape."""
-    decided: dict = {}
-    for mod in model.modules():
-        if isinstance(mod, Linear) and mod.weight_t.device.type == "cpu":
-            key = (tuple(mod.weight_t.shape), mod.weight_t.dtype)
-            if key not in decided:
-                decided[key] = decide(mod.weight_t.detach(), max_rows, cold_bytes)
-            mod.set_layouts(decided[key])
+def tune_layouts(model: torch.nn.Module, max_rows: int = 16, cold_bytes: float = 96e6,
+                 pack_budget_bytes: float | None = None) -> dict:
+    """Set every Linear's kernel table (CPU only); returns the tables by weight shape.
+    Packed copies are kept from the fewest rows up while they fit pack_budget_bytes
+    (default: SPECDEC_PACK_GB, 3 GB)."""
+    if pack_budget_bytes is None:
+        pack_budget_bytes = float(os.environ.get("SPECDEC_PACK_GB", "3")) * 1e9
+    mods = [m for m in model.modules() if isinstance(m, Linear) and m.weight_t.device.type == "cpu"]
+    key = lambda m: (tuple(m.weight_t.shape), m.weight_t.dtype)  # noqa: E731
+    tables = {}
+    for mod in mods:
+        if key(mod) not in tables:
+            tables[key(mod)] = decide(mod.weight_t.detach(), max_rows, cold_bytes)
+    bytes_per_key = {k: 0 for k in tables}
+    for mod in mods:
+        bytes_per_key[key(mod)] += mod.weight_t.numel() * mod.weight_t.element_size()
+    chosen = {k: list(kern) for k, (kern, _) in tables.items()}
+    used = 0.0
+    for m in range(1, max_rows + 1):  # fill the budget from the fewest rows up
+        for k, (kern, unpacked) in tables.items():
+            if kern[m] == "p":
+                if used + bytes_per_key[k] <= pack_budget_bytes:
+                    used += bytes_per_key[k]
+                else:
+                    chosen[k][m] = unpacked[m]
+    decided = {k: "".join(v) for k, v in chosen.items()}
+    for mod in mods:
+        mod.set_kernels(decided[key(mod)])
     return decided
+
+
+def describe(decided: dict) -> dict[str, str]:
+    """{"576x49152": "tww ppp..."}: the kernel per row count from 1 row on, by weight shape."""
+    return {"x".join(map(str, k[0])): v[1:] for k, v in decided.items()}
 
 
 def maybe_tune(model: torch.nn.Module, min_params: int = 10_000_000) -> dict:

@@ -58,35 +58,44 @@ class ModelArgs:
 
 
 class Linear(nn.Module):
-    """y = x W^T + b with W stored transposed, [in, out] contiguous, plus (after `set_layouts`)
-    an [out, in] copy used for the row counts where that layout is faster.
+    """y = x W^T + b with W stored transposed, [in, out] contiguous, plus (after `set_kernels`)
+    an [out, in] copy and MKL-packed copies for the row counts where those kernels are faster.
 
-    Why: which layout makes a few-row CPU matmul fast depends on the machine's BLAS kernels,
-    and the matmuls are most of what a (K+1)-token verify pass costs over a 1-token one.
-    Measured on two machines of this kind: on one, the 49152-wide LM head at 5 rows took 19 ms
-    as x @ W_t against 25 ms in nn.Linear's layout; on another, x @ W_t took 4.6 ms at 1 row but
-    15.4 ms at 2 rows, where nn.Linear's layout took 7.3 ms. `models.layouts` times both."""
+    Why: the matmuls are nearly all of what a (K+1)-token verify pass costs over a 1-token one,
+    and which few-row CPU kernel streams the weights fastest depends on the machine's BLAS.
+    Measured here (49152-wide LM head, cold cache): x @ W_t 3.7 ms at 1 row but 14 ms at 2-5
+    rows; nn.Linear's layout 6.4 ms at 2 rows, 11.6 ms at 5; MKL's packed GEMM, whose weight
+    is re-laid-out once for one exact row count, 6.9 ms at 5 rows and 7.9 ms at 9.
+    `models.layouts` times them all."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool = False):
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(d_in, d_out))
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
         self._w: Tensor | None = None  # [out, in] copy, or None when x @ W_t always wins
-        self._use_w: tuple[bool, ...] = ()  # by input rows (the last entry for more rows)
+        self._kernels = ""  # by input rows: "t" x @ W_t, "w" F.linear, "p" packed (last: more rows)
+        self._packed: dict[int, Tensor] = {}  # rows -> MKL-packed weight for exactly that many
 
     @property
     def weight(self) -> Tensor:
         """[out, in] view, as nn.Linear names it."""
         return self.weight_t.t()
 
-    def set_layouts(self, use_w: tuple[bool, ...]) -> None:
-        self._use_w = use_w if any(use_w) else ()
-        self._w = self.weight_t.detach().t().contiguous() if self._use_w else None
+    def set_kernels(self, kernels: str) -> None:
+        """kernels[rows] for rows = 0 .. n; the last entry, never "p", serves more rows."""
+        assert not kernels or kernels[-1] != "p", "packed weights serve one exact row count"
+        self._kernels = kernels if kernels.strip("t") else ""
+        self._w = self.weight_t.detach().t().contiguous() if self._kernels else None
+        self._packed = {m: torch.ops.mkl._mkl_reorder_linear_weight(self._w, m)
+                        for m, k in enumerate(self._kernels) if k == "p"}
 
     def forward(self, x: Tensor) -> Tensor:
-        if self._w is not None:
+        if self._kernels:
             rows = x.numel() // x.shape[-1]
-            if self._use_w[min(rows, len(self._use_w) - 1)]:
+            kind = self._kernels[min(rows, len(self._kernels) - 1)]
+            if kind == "p":
+                return torch.ops.mkl._mkl_linear(x.contiguous(), self._packed[rows], self._w, self.bias, rows)
+            if kind == "w":
                 return F.linear(x, self._w, self.bias)
         y = x @ self.weight_t
         return y + self.bias if self.bias is not None else y
