@@ -9,7 +9,9 @@ tokens. Both are measured online: the verify cost as a curve over tokens per pas
 while the weights' memory traffic dominates and steep once a big batch makes it compute-bound,
 so no single line fits both 1 user and 16), the draft cost as a line. K = 0 is chosen whenever
 speculation would not pay; a probe round now and then keeps the estimates fresh so speculation
-can come back, less and less often while probes keep saying no."""
+can come back, less and less often while probes keep saying no. Acceptance depends on the
+prompt far more than on the draft's average (extractive and list prompts accept 2-3x what chat
+does), so every new request is also probed once, at its first round that can draft."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -76,6 +78,7 @@ class AdaptiveK:
     probe_every: int = 16  # rounds at K = 0 before the first probe; doubles after each failed probe
     max_probe_every: int = 256  # longest wait between probes
     min_gain: float = 0.03  # speculate only when predicted to beat K = 0 by this much (the model errs)
+    first_probe_k: int = 2  # drafts in each new request's one probe (0 = no per-request probe)
     prior_acceptance: float = 0.5  # acceptance assumed before any draft was verified
     prior_weight: float = 4.0  # pseudo-drafts behind the prior in each sequence's estimate
     verify_prior: tuple[float, float] = (0.06, 0.01)  # s per verifier pass = a + b * tokens, until measured
@@ -121,9 +124,9 @@ class AdaptiveK:
         g = self.global_acceptance()
         return (num_accepted + g * self.prior_weight) / (num_drafted + self.prior_weight)
 
-    def choose(self, acceptances: list[float], budgets: list[int]) -> list[int]:
+    def choose(self, acceptances: list[float], budgets: list[int], new: list[bool] | None = None) -> list[int]:
         """One K for the batch (each capped by its sequence's budget); budgets[i] = most drafts
-        sequence i can use this round."""
+        sequence i can use this round; new[i]: sequence i has had no draft verified yet."""
         B = len(acceptances)
         g, pos = self.global_acceptance(), self.position_acceptance()
         # E(k) per sequence for every k: its acceptances are the positions' scaled by its record
@@ -148,6 +151,9 @@ class AdaptiveK:
         if self._probing:  # the last round was a probe: did it change the verdict?
             self._probe_wait = 0 if best > 0 else min(2 * (self._probe_wait or self.probe_every), self.max_probe_every)
         self._probing = False
+        if best == 0 and new and self.first_probe_k and any(n and b for n, b in zip(new, budgets)):
+            # a request's own probe: its prompt may accept far above the average
+            return [min(self.first_probe_k, b) if n else 0 for n, b in zip(new, budgets)]
         if best == 0 and limit > 0:
             self._rounds_at_zero += 1
             if self._rounds_at_zero >= (self._probe_wait or self.probe_every):

@@ -19,7 +19,9 @@ class Round:
         budgets = [s.draft_budget() if proposer_of.get(s.seq_id) else 0 for s in batch]
         if adaptive is not None:
             acc = [adaptive.acceptance(s.metrics.num_accepted, s.metrics.num_drafted) for s in batch]
-            budgets = adaptive.choose(acc, budgets)
+            # past its prefill (a draft needs the verifier's feature) and never drafted
+            new = [bool(s.output_ids) and not s.metrics.num_drafted for s in batch]
+            budgets = adaptive.choose(acc, budgets, new)
         self.ks = budgets
         # a sequence's first verify (and first draft) also prefills its prompt: such rounds would
         # teach the cost models that passes are dearer than they are, so they are not observed

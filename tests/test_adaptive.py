@@ -115,3 +115,10 @@ def test_adaptive_engine_is_lossless(tiny_target):
     eng.adaptive = AdaptiveK(k_max=8)
     got = eng.generate(ragged_prompts()[:4], SamplingParams(max_tokens=30, ignore_eos=True))
     assert [g.token_ids for g in got] == [p.token_ids for p in plain]
+
+
+def test_every_new_request_is_probed_once_even_when_speculation_is_off():
+    ak = costs(draft=0.03)
+    assert ak.choose([0.05], [8], new=[False]) == [0]
+    assert ak.choose([0.05, 0.05], [8, 1], new=[True, True]) == [2, 1]  # capped by budgets
+    assert ak.choose([0.05, 0.05], [8, 8], new=[False, True]) == [0, 2]  # only the new one drafts
