@@ -17,6 +17,7 @@ class AppArgs(BaseModel):
     max_speculative_tokens: int = Field(8, ge=0, le=16, description="Largest K a request may ask for.")
     adaptive: bool = Field(True, description="Choose K each round from measured acceptance, load and cost (0 when speculation does not pay).")
     default_proposer: str = Field("draft", description="Proposer used when a request names none: 'draft', 'ngram' or 'none'.")
+    lookup_min_n: int = Field(3, ge=0, le=16, description="Before the draft, try prompt lookup in the ingress: a suffix match of at least this many tokens drafts for free, with no Drafter call (0 = off).")
     device: str = Field("cpu", description="Torch device of the model replicas: 'cpu', 'cuda' or 'auto'.")
     dtype: str = Field("float32", description="Weights dtype: 'float32', 'bfloat16' or 'float16'.")
     num_threads: int = Field(0, ge=0, description="torch CPU threads per Verifier replica (0 = torch default).")

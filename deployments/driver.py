@@ -37,7 +37,8 @@ class Entry:
 
 class RoundLoop:
     def __init__(self, drafter, verifier, max_batch_size: int, num_shards: int = 1, adaptive: AdaptiveK | None = None,
-                 verify_retry_s: float = 30.0, drafter_timeout_s: float = 5.0, decode_steps: int = 1):
+                 verify_retry_s: float = 30.0, drafter_timeout_s: float = 5.0, decode_steps: int = 1,
+                 lookup_min_n: int = 0):
         self.drafter, self.verifier = drafter, verifier
         self.max_batch_size, self.num_shards = max_batch_size, num_shards
         self.adaptive = adaptive
@@ -47,6 +48,9 @@ class RoundLoop:
         self._drafter_down_until = 0.0  # after a failure, rounds skip the drafter (K=0) until then
         self._drafter_backoff = 1.0
         self.local = {"ngram": NgramProposer()}  # needs no model: runs right here
+        # prompt lookup before the Drafter: a match saves that sequence's draft (and, if every
+        # sequence matches, the whole Drafter call)
+        self.lookup = NgramProposer(max_n=max(4, lookup_min_n), min_n=lookup_min_n) if lookup_min_n > 0 else None
         self.proposer_of: dict[str, str | None] = {}
         self.shards: dict[str, list[Entry]] = {}
         self._wake: dict[str, asyncio.Event] = {}
@@ -106,7 +110,7 @@ class RoundLoop:
             batch.remove(e)
         if not batch:
             return
-        rnd = Round([e.seq for e in batch], self.proposer_of, self.adaptive)
+        rnd = Round([e.seq for e in batch], self.proposer_of, self.adaptive, self.lookup)
         for name, (idx, reqs) in rnd.propose_requests().items():
             t0 = time.perf_counter()
             rnd.set_proposals(idx, await self._propose(shard, name, reqs), time.perf_counter() - t0)

@@ -17,5 +17,6 @@ class EngineConfig:
     max_batch_size: int = 16  # sequences per verifier pass
     num_threads: int = 0  # torch CPU threads; 0 = leave torch's default
     ngram_max: int = 4  # longest suffix the n-gram proposer matches
+    lookup_min_n: int = 3  # before the draft, try prompt lookup: a suffix match this long drafts for free (0 = off)
     tune_layouts: bool = True  # time the verifier's weight layouts per matmul row count at load (CPU)
     progress: bool = True  # show progress bars when fetching / converting models

@@ -83,6 +83,8 @@ class SpecEngine:
         self._proposer_of: dict[str, str | None] = {}
         self._ids = itertools.count()
         self.adaptive = AdaptiveK(k_max=max(self.cfg.num_speculative_tokens, 1)) if self.cfg.adaptive else None
+        n = self.cfg.lookup_min_n
+        self.lookup = NgramProposer(max_n=max(self.cfg.ngram_max, n), min_n=n) if n > 0 else None
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "SpecEngine":
@@ -136,7 +138,7 @@ class SpecEngine:
         batch = self.active[: self.cfg.max_batch_size]
         if not batch:
             return []
-        rnd = Round(batch, self._proposer_of, self.adaptive)
+        rnd = Round(batch, self._proposer_of, self.adaptive, self.lookup)
         for name, (idx, reqs) in rnd.propose_requests().items():
             props, secs = timed(self.proposers[name].propose, reqs)
             rnd.set_proposals(idx, props, secs)

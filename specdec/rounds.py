@@ -1,19 +1,28 @@
 """One speculative round for a batch of sequences, independent of where the models run.
 
 The in-process engine calls proposer and verifier directly; the Serve ingress calls remote
-replicas. Both use this: plan K per sequence, build the propose and verify requests, commit."""
+replicas. Both use this: plan K per sequence, build the propose and verify requests, commit.
+
+With `lookup` (an n-gram proposer, typically needing a 3-token match), a sequence bound to a
+model proposer first tries prompt lookup: where its recent tokens occur earlier in its own
+context (extractive answers, code edits, repeated names) the continuation is copied as the
+drafts, for free, and the model proposer is not called for it that round. Which proposer drafts
+depends only on the tokens so far, so the output distribution is unchanged."""
 from __future__ import annotations
 
 import time
 
 from specdec.adaptive import AdaptiveK
+from specdec.proposers.ngram import NgramProposer
 from specdec.protocol import Proposal, ProposeRequest, VerifyRequest, VerifyResult
 from specdec.sequence import Delta, Sequence
 
 
 class Round:
-    def __init__(self, batch: list[Sequence], proposer_of: dict[str, str | None], adaptive: AdaptiveK | None):
+    def __init__(self, batch: list[Sequence], proposer_of: dict[str, str | None], adaptive: AdaptiveK | None,
+                 lookup: NgramProposer | None = None):
         self.batch = batch
+        self.lookup = lookup
         self.adaptive = adaptive
         self.proposer_of = proposer_of
         budgets = [s.draft_budget() if proposer_of.get(s.seq_id) else 0 for s in batch]
@@ -28,13 +37,21 @@ class Round:
         self.prefill_verify = any(not s.output_ids for s in batch)
         self.drafts: list[Proposal] = [Proposal([], None) for _ in batch]
         self.t_draft = 0.0
+        self.num_looked_up = 0  # sequences drafted by prompt lookup this round
 
     def propose_requests(self) -> dict[str, tuple[list[int], list[ProposeRequest]]]:
         """Requests per proposer name: (batch indices, requests)."""
         groups: dict[str, tuple[list[int], list[ProposeRequest]]] = {}
         for i, (s, k) in enumerate(zip(self.batch, self.ks)):
             if k > 0:
-                idx, reqs = groups.setdefault(self.proposer_of[s.seq_id], ([], []))
+                name = self.proposer_of[s.seq_id]
+                if self.lookup is not None and name != "ngram":
+                    ids = self.lookup.lookup(s.tokens, k)
+                    if ids:
+                        self.drafts[i] = Proposal(ids, None)
+                        self.num_looked_up += 1
+                        continue
+                idx, reqs = groups.setdefault(name, ([], []))
                 idx.append(i)
                 reqs.append(ProposeRequest(s.seq_id, list(s.tokens), k, s.params, s.feature))
         return groups

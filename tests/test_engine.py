@@ -62,6 +62,42 @@ def test_ngram_greedy_equals_plain(tiny_target, plain):
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
 
 
+def test_ngram_lookup_matches_a_plain_scan():
+    """The vectorised lookup returns what a direct scan does: longest suffix, latest occurrence."""
+    import random
+
+    def scan(tokens, k, max_n, min_n):
+        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == tokens[-n:]:
+                    return tokens[start + n : start + n + k] if k > 0 else []
+        return []
+
+    r = random.Random(0)
+    for _ in range(2000):
+        toks = [r.randint(0, 4) for _ in range(r.randint(0, 40))]
+        max_n = r.randint(1, 5)
+        min_n, k = r.randint(1, max_n), r.randint(0, 5)
+        assert NgramProposer(max_n, min_n).lookup(toks, k) == scan(toks, k, max_n, min_n)
+
+
+def test_prompt_lookup_before_the_draft_is_lossless_and_used(tiny_target):
+    """With lookup first, sequences whose suffix recurs draft by lookup (no draft-model call for
+    them that round), the rest by the draft model; greedy output is still the verifier's."""
+    prompts = [p * 3 for p in ragged_prompts()[:4]]
+    want = make_engine(tiny_target, k=0).generate(prompts, GREEDY)
+    eng = make_engine(tiny_target, noisy_copy(tiny_target, 0.3), k=4)
+    assert eng.lookup is not None and eng.lookup.min_n == 3
+    hits, calls = [], []
+    lookup, propose = eng.lookup.lookup, eng.proposers["draft"].propose
+    eng.lookup.lookup = lambda t, k: hits.append(bool(r := lookup(t, k))) or r
+    eng.proposers["draft"].propose = lambda reqs: calls.append(len(reqs)) or propose(reqs)
+    got = eng.generate(prompts, GREEDY)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert any(hits) and calls  # both proposers drafted
+    assert sum(calls) == hits.count(False)  # the draft model saw exactly the sequences lookup missed
+
+
 def test_high_agreement_draft_accepts_most(tiny_target):
     eng = make_engine(tiny_target, noisy_copy(tiny_target, 0.0), k=4)
     m = eng.generate(ragged_prompts()[:2], GREEDY)[0].metrics

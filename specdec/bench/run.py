@@ -1,6 +1,7 @@
 """The speculation benchmark: every row on the same prompts, interleaved, in one process.
 
-Rows: our K=0 (the baseline), the default draft at fixed K, adaptive K, the n-gram proposer,
+Rows: our K=0 (the baseline), the default draft at fixed K, adaptive K (the shipped default: prompt
+lookup first, then the draft; `adaptive_draft` without lookup), the n-gram proposer,
 HF `generate` plain and with prompt lookup (the best assisted generation HF can run here: no other
 model shares SmolLM2's tokenizer). Greedy and sampled. Prints a Markdown table and writes
 bench/results/<name>.json, .md and .png; `--out PATH` also writes the summary figures."""
@@ -69,8 +70,8 @@ def draft_step_ms(engine, prompt_ids: list[int], reps=5) -> float:
 
 # -- rows ----------------------------------------------------------------------------------------
 class Rows:
-    def __init__(self, engine, adaptive_engine, hf, tok, max_tokens: int):
-        self.engine, self.adaptive_engine, self.hf, self.tok, self.max_tokens = engine, adaptive_engine, hf, tok, max_tokens
+    def __init__(self, engine, adaptive_engines: dict, hf, tok, max_tokens: int):
+        self.engine, self.adaptive_engines, self.hf, self.tok, self.max_tokens = engine, adaptive_engines, hf, tok, max_tokens
 
     def ours(self, eng, ids, params, k, proposer):
         v0 = eng.verifier.busy_s
@@ -102,8 +103,8 @@ class Rows:
             return self.hf_generate(ids, params, None)
         if row == "hf_prompt_lookup":
             return self.hf_generate(ids, params, 4)
-        if row == "adaptive":
-            return self.ours(self.adaptive_engine, ids, params, 8, self.engine.default_proposer)
+        if row in self.adaptive_engines:
+            return self.ours(self.adaptive_engines[row], ids, params, 8, self.engine.default_proposer)
         if row.startswith("ngram"):
             return self.ours(self.engine, ids, params, 4, "ngram")
         k = int(row.removeprefix("k"))
@@ -227,16 +228,20 @@ def main(argv: list[str] | None = None) -> int:
 
     max_tokens = a.max_tokens or (32 if a.quick else 40)
     per_cat = a.per_category if a.per_category is not None else (1 if a.quick else 2)
-    cfg = EngineConfig(verifier="default", draft=a.draft, max_seqs=4, max_model_len=2048)
+    # fixed-K rows measure the draft alone; "adaptive" is the shipped default (adaptive K, prompt
+    # lookup first), "adaptive_draft" the same without lookup
+    cfg = EngineConfig(verifier="default", draft=a.draft, max_seqs=4, max_model_len=2048, lookup_min_n=0)
     base = SpecEngine.from_config(cfg)
-    adaptive = SpecEngine(base.verifier, base.proposers[base.default_proposer], base.tokenizer,
-                          EngineConfig(num_speculative_tokens=8, adaptive=True), {"ngram": NgramProposer()})
+    adaptive, adaptive_draft = (
+        SpecEngine(base.verifier, base.proposers[base.default_proposer], base.tokenizer,
+                   EngineConfig(num_speculative_tokens=8, adaptive=True, lookup_min_n=n), {"ngram": NgramProposer()})
+        for n in (EngineConfig.lookup_min_n, 0))
     hf = None if a.no_hf else AutoModelForCausalLM.from_pretrained(model_dir("default"), dtype=torch.float32).eval()
-    rows = Rows(base, adaptive, hf, base.tokenizer, max_tokens)
+    rows = Rows(base, {"adaptive": adaptive, "adaptive_draft": adaptive_draft}, hf, base.tokenizer, max_tokens)
     prompts = load_prompts(per_cat or None)
     ids = [base.tokenizer.chat(p["messages"]) for p in prompts]
 
-    greedy_rows = ["k0", "k1", "k2", "k3", "k4", "k6", "k8", "adaptive", "ngram"] if not a.quick else \
+    greedy_rows = ["k0", "k1", "k2", "k3", "k4", "k6", "k8", "adaptive", "adaptive_draft", "ngram"] if not a.quick else \
         ["k0", "k1", "k2", "k4", "adaptive", "ngram"]
     if hf is not None:
         greedy_rows += ["hf_plain", "hf_prompt_lookup"]
@@ -247,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     c_ms = draft_step_ms(base, ids[0])
     # warm up both engines (allocator, adaptive cost fits) on a prompt outside the measured set
     warm = base.tokenizer.chat([{"role": "user", "content": "Say hello in five words."}])
-    for eng in (base, adaptive):
+    for eng in (base, adaptive, adaptive_draft):
         eng.generate([warm], SamplingParams(max_tokens=24), num_speculative_tokens=4)
 
     results: dict[str, dict[str, list[dict]]] = {"greedy": {r: [] for r in greedy_rows},

@@ -2,6 +2,8 @@
 suffix (an n-gram of the prompt or output). No model, so q is one-hot at the proposal."""
 from __future__ import annotations
 
+import numpy as np
+
 from specdec.protocol import Proposal, ProposeRequest
 
 
@@ -15,15 +17,27 @@ class NgramProposer:
         return [Proposal(self.lookup(r.tokens, r.num_speculative_tokens), None) for r in requests]
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
-        if k <= 0:
+        """The k tokens after the latest earlier occurrence of the longest suffix (max_n down to
+        min_n tokens) that occurs earlier; [] if none does. Vectorised with numpy (~0.15 ms at 2 k
+        tokens; torch's list-to-tensor conversion alone costs 0.5 ms): it runs every round."""
+        L = len(tokens)
+        n_max = min(self.max_n, L - 1)
+        if k <= 0 or n_max < self.min_n:
             return []
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            suffix = tokens[-n:]
-            # latest earlier match wins: recent context predicts best
-            for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start : start + n] == suffix:
-                    return tokens[start + n : start + n + k]
-        return []
+        t = np.asarray(tokens)
+        # run[j]: how many of the last tokens match the tokens ending at j (capped at n_max)
+        run = np.zeros(L - 1, dtype=np.int64)  # [L-1]
+        alive = np.ones(L - 1, dtype=bool)
+        for i in range(n_max):
+            eq = np.zeros(L - 1, dtype=bool)
+            eq[i:] = t[: L - 1 - i] == t[L - 1 - i]
+            alive &= eq
+            run += alive
+        best = int(run.max())
+        if best < self.min_n:
+            return []
+        j = int(np.flatnonzero(run == best)[-1])  # latest match wins: recent context predicts best
+        return tokens[j + 1 : j + 1 + k]
 
     def free(self, seq_id: str) -> None:
         pass
