@@ -73,6 +73,59 @@ class CostCurve:
 
 
 @dataclass
+class Acceptance:
+    """Running acceptance of one kind of draft, overall and per draft position; it forgets per
+    drafted token, so long stretches at K = 0 do not drift it back to the prior."""
+
+    k_max: int  # draft positions tracked
+    prior: float = 0.5  # acceptance assumed before any draft was verified
+    prior_weight: float = 4.0  # pseudo-drafts behind the prior in each sequence's estimate
+    decay: float = 0.995  # per drafted token: how fast the estimate forgets
+    drafted: float = 0.0
+    accepted: float = 0.0
+    tried: list[float] = field(default_factory=list)  # per draft position: drafts that were reached
+    hit: list[float] = field(default_factory=list)  # per draft position: drafts accepted
+
+    def __post_init__(self):
+        self.tried, self.hit = [0.0] * self.k_max, [0.0] * self.k_max
+
+    def overall(self) -> float:
+        return (self.accepted + self.prior * 8) / (self.drafted + 8)
+
+    def positions(self) -> list[float]:
+        """a_1..a_k_max; a position with little data leans on the one before it."""
+        out, prev = [], self.overall()
+        for tried, hit in zip(self.tried, self.hit):
+            prev = (hit + prev * self.prior_weight) / (tried + self.prior_weight)
+            out.append(prev)
+        return out
+
+    def of_sequence(self, num_accepted: int, num_drafted: int) -> float:
+        """A sequence's estimate, shrunk towards the overall one while it has few drafts."""
+        return (num_accepted + self.overall() * self.prior_weight) / (num_drafted + self.prior_weight)
+
+    def gains(self, seq_acceptance: float) -> list[float]:
+        """E(k) for k = 0..k_max: the positions' acceptances scaled by the sequence's record."""
+        g, e, p = self.overall(), [1.0], 1.0
+        for ai in self.positions():
+            p *= min(ai * seq_acceptance / g, 0.999)
+            e.append(e[-1] + p)
+        return e
+
+    def observe(self, drafted_accepted: list[tuple[int, int]]) -> None:
+        num_drafted = sum(k for k, _ in drafted_accepted)
+        d = self.decay ** num_drafted
+        self.drafted = d * self.drafted + num_drafted
+        self.accepted = d * self.accepted + sum(n for _, n in drafted_accepted)
+        self.tried = [d * t for t in self.tried]
+        self.hit = [d * h for h in self.hit]
+        for k, n in drafted_accepted:
+            for i in range(min(n + 1, k, self.k_max)):  # positions up to the first rejection were reached
+                self.tried[i] += 1
+                self.hit[i] += i < n
+
+
+@dataclass
 class AdaptiveK:
     k_max: int = 8  # largest K considered
     probe_every: int = 16  # rounds at K = 0 before the first probe; doubles after each failed probe
@@ -84,16 +137,17 @@ class AdaptiveK:
     verify_prior: tuple[float, float] = (0.06, 0.01)  # s per verifier pass = a + b * tokens, until measured
     ema_decay: float = 0.995  # per drafted token: how fast the global acceptance estimate forgets
     draft_cost: LinearFit = field(default_factory=lambda: LinearFit(0.002, 0.0015))  # s per draft call vs K x batch
-    _drafted: float = 0.0
-    _accepted: float = 0.0
-    _tried: list[float] = field(default_factory=list)  # per draft position: drafts that were reached
-    _hit: list[float] = field(default_factory=list)  # per draft position: drafts accepted
     _rounds_at_zero: int = 0
     _probe_wait: int = 0  # current rounds between probes (0 = probe_every)
     _probing: bool = False  # the last choice was a forced probe
     # one cost curve per batch size: the same tokens cost more spread over more sequences
     # (padding, masks), so a curve learned at 1 user would mislead at 4
     _verify_by_batch: dict[int, CostCurve] = field(default_factory=dict)
+
+    def __post_init__(self):
+        acc = lambda: Acceptance(self.k_max, self.prior_acceptance, self.prior_weight, self.ema_decay)  # noqa: E731
+        self.model = acc()  # drafts of the model proposer (draft head / draft model)
+        self.lookup = acc()  # drafts copied by prompt lookup: free to make, accepted very unevenly
 
     def verify_cost(self, batch: int, tokens: int) -> float:
         curve = self._verify_by_batch.get(batch)
@@ -105,77 +159,70 @@ class AdaptiveK:
             return curve(round(tokens * near / batch)) * batch / near
         return curve(tokens)
 
-    def __post_init__(self):
-        self._tried, self._hit = [0.0] * self.k_max, [0.0] * self.k_max
-
     def position_acceptance(self) -> list[float]:
-        """a_1..a_k_max; a position with little data leans on the one before it."""
-        out, prev = [], self.global_acceptance()
-        for tried, hit in zip(self._tried, self._hit):
-            prev = (hit + prev * self.prior_weight) / (tried + self.prior_weight)
-            out.append(prev)
-        return out
+        return self.model.positions()
 
     def global_acceptance(self) -> float:
-        return (self._accepted + self.prior_acceptance * 8) / (self._drafted + 8)
+        return self.model.overall()
 
     def acceptance(self, num_accepted: int, num_drafted: int) -> float:
-        """A sequence's estimate, shrunk towards the global one while it has few drafts."""
-        g = self.global_acceptance()
-        return (num_accepted + g * self.prior_weight) / (num_drafted + self.prior_weight)
+        return self.model.of_sequence(num_accepted, num_drafted)
 
-    def choose(self, acceptances: list[float], budgets: list[int], new: list[bool] | None = None) -> list[int]:
-        """One K for the batch (each capped by its sequence's budget); budgets[i] = most drafts
-        sequence i can use this round; new[i]: sequence i has had no draft verified yet."""
+    def choose(self, acceptances: list[float], budgets: list[int], new: list[bool] | None = None,
+               lookups: list[int] | None = None, lookup_acceptances: list[float] | None = None) -> list[int]:
+        """K per sequence (each capped by its budget): one K for the model proposer's sequences
+        and one for those with a prompt-lookup match, chosen together since they share the
+        verifier pass. budgets[i] = most drafts sequence i can use this round; new[i]: it has had
+        no model draft verified yet; lookups[i] = length of its lookup match (0 = none), with its
+        lookup acceptance estimate in lookup_acceptances[i]."""
         B = len(acceptances)
-        g, pos = self.global_acceptance(), self.position_acceptance()
-        # E(k) per sequence for every k: its acceptances are the positions' scaled by its record
-        gains = []
-        for a in acceptances:
-            e, p = [1.0], 1.0
-            for ai in pos:
-                p *= min(ai * a / g, 0.999)
-                e.append(e[-1] + p)
-            gains.append(e)
+        lookups = lookups or [0] * B
+        lk = [m > 0 for m in lookups]
+        caps = [min(b, m) if m else b for b, m in zip(budgets, lookups)]
+        gains = [self.lookup.gains(la) if m else self.model.gains(a)
+                 for a, m, la in zip(acceptances, lookups, lookup_acceptances or acceptances)]
+        n_model = B - sum(lk)
 
-        def rate(k: int) -> float:
-            ks = [min(k, b) for b in budgets]
+        def ks_for(k: int, kl: int) -> list[int]:
+            return [min(kl if m else k, c) for m, c in zip(lk, caps)]
+
+        def rate(k: int, kl: int) -> float:
+            ks = ks_for(k, kl)
             tokens = sum(e[ki] for e, ki in zip(gains, ks))
-            t = self.verify_cost(B, sum(ks) + B) + (self.draft_cost(max(ks) * B) if k else 0.0)
+            k_model = max((ki for ki, m in zip(ks, lk) if not m), default=0)
+            t = self.verify_cost(B, sum(ks) + B) + (self.draft_cost(k_model * n_model) if k_model else 0.0)
             return tokens / t
 
-        limit = min(self.k_max, max(budgets, default=0))
-        best = max(range(limit + 1), key=rate)
-        if best and rate(best) < (1 + self.min_gain) * rate(0):
-            best = 0
+        limit = min(self.k_max, max((c for c, m in zip(caps, lk) if not m), default=0))
+        limit_l = min(self.k_max, max((c for c, m in zip(caps, lk) if m), default=0))
+        base = rate(0, 0)
+        best, best_l = max(((k, kl) for k in range(limit + 1) for kl in range(limit_l + 1)), key=lambda x: rate(*x))
+        if (best or best_l) and rate(best, best_l) < (1 + self.min_gain) * base:
+            best, best_l = 0, 0
+        if best_l and best and rate(0, best_l) >= (1 + self.min_gain) * base and \
+                rate(best, best_l) < (1 + self.min_gain) * rate(0, best_l):
+            best = 0  # the model's drafts must pay on their own, beyond what lookup already gains
         if self._probing:  # the last round was a probe: did it change the verdict?
             self._probe_wait = 0 if best > 0 else min(2 * (self._probe_wait or self.probe_every), self.max_probe_every)
         self._probing = False
-        if best == 0 and new and self.first_probe_k and any(n and b for n, b in zip(new, budgets)):
+        if best == 0 and new and self.first_probe_k and any(n and b and not m for n, b, m in zip(new, caps, lk)):
             # a request's own probe: its prompt may accept far above the average
-            return [min(self.first_probe_k, b) if n else 0 for n, b in zip(new, budgets)]
+            return [min(self.first_probe_k, c) if (n and not m) else ki
+                    for n, c, m, ki in zip(new, caps, lk, ks_for(0, best_l))]
         if best == 0 and limit > 0:
             self._rounds_at_zero += 1
             if self._rounds_at_zero >= (self._probe_wait or self.probe_every):
                 self._rounds_at_zero, best, self._probing = 0, 1, True
         else:
             self._rounds_at_zero = 0
-        return [min(best, b) for b in budgets]
+        return ks_for(best, best_l)
 
-    def observe_round(self, drafted_accepted: list[tuple[int, int]]) -> None:
-        """(drafts, accepted) of each sequence in a verified round."""
-        # running estimates of what the verifier accepted, not preset rates; they forget per
-        # drafted token, so long stretches at K = 0 do not drift them back to the prior
-        num_drafted = sum(k for k, _ in drafted_accepted)
-        d = self.ema_decay ** num_drafted
-        self._drafted = d * self._drafted + num_drafted
-        self._accepted = d * self._accepted + sum(n for _, n in drafted_accepted)
-        self._tried = [d * t for t in self._tried]
-        self._hit = [d * h for h in self._hit]
-        for k, n in drafted_accepted:
-            for i in range(min(n + 1, k, self.k_max)):  # positions up to the first rejection were reached
-                self._tried[i] += 1
-                self._hit[i] += i < n
+    def observe_round(self, drafted_accepted: list[tuple[int, int]], looked_up: list[bool] | None = None) -> None:
+        """(drafts, accepted) of each sequence in a verified round; looked_up[i]: its drafts came
+        from prompt lookup. Running estimates of what the verifier accepted, not preset rates."""
+        looked_up = looked_up or [False] * len(drafted_accepted)
+        self.model.observe([x for x, m in zip(drafted_accepted, looked_up) if not m])
+        self.lookup.observe([x for x, m in zip(drafted_accepted, looked_up) if m])
 
     def observe_verify(self, batch: int, tokens_in_pass: int, seconds: float) -> None:
         if batch not in self._verify_by_batch:

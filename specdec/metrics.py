@@ -11,6 +11,8 @@ class SpecMetrics:
     num_output_tokens: int = 0  # tokens emitted
     num_drafted: int = 0  # draft tokens proposed
     num_accepted: int = 0  # draft tokens the verifier accepted
+    num_lookup_drafted: int = 0  # of num_drafted: copied by prompt lookup (the rest: the draft model)
+    num_lookup_accepted: int = 0  # of num_accepted: lookup drafts accepted
     num_verifier_passes: int = 0  # verify rounds this request took part in (= decoding steps)
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: rounds where draft j was accepted
     drafted_per_position: list[int] = field(default_factory=list)  # [j]: rounds that proposed a j-th draft
@@ -26,6 +28,14 @@ class SpecMetrics:
             per.extend([0] * (n - len(per)))
             for j in range(n):
                 per[j] += 1
+
+    @property
+    def num_model_drafted(self) -> int:
+        return self.num_drafted - self.num_lookup_drafted
+
+    @property
+    def num_model_accepted(self) -> int:
+        return self.num_accepted - self.num_lookup_accepted
 
     @property
     def acceptance_rate(self) -> float:
@@ -62,6 +72,8 @@ class SpecMetrics:
             "num_drafted": self.num_drafted,
             "num_accepted": self.num_accepted,
             "acceptance_rate": round(self.acceptance_rate, 4),
+            "num_lookup_drafted": self.num_lookup_drafted,
+            "num_lookup_accepted": self.num_lookup_accepted,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "accepted_per_position": list(self.accepted_per_position),
             "drafted_per_position": list(self.drafted_per_position),
@@ -90,6 +102,8 @@ def aggregate(ms: list[SpecMetrics]) -> dict:
         "num_drafted": drafted,
         "num_accepted": accepted,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+        "num_lookup_drafted": sum(m.num_lookup_drafted for m in ms),
+        "num_lookup_accepted": sum(m.num_lookup_accepted for m in ms),
         "mean_accepted_length": round(1 + accepted / passes, 4) if passes else 0.0,
         "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(acc_pos, dr_pos)],
         "num_verifier_passes": passes,

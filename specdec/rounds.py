@@ -22,36 +22,37 @@ class Round:
     def __init__(self, batch: list[Sequence], proposer_of: dict[str, str | None], adaptive: AdaptiveK | None,
                  lookup: NgramProposer | None = None):
         self.batch = batch
-        self.lookup = lookup
         self.adaptive = adaptive
         self.proposer_of = proposer_of
         budgets = [s.draft_budget() if proposer_of.get(s.seq_id) else 0 for s in batch]
+        # prompt lookup first (cheap): its matches bound those sequences' drafts this round
+        self.looked_up = [lookup.lookup(s.tokens, b) if lookup is not None and b and proposer_of.get(s.seq_id) != "ngram"
+                          else [] for s, b in zip(batch, budgets)]
         if adaptive is not None:
-            acc = [adaptive.acceptance(s.metrics.num_accepted, s.metrics.num_drafted) for s in batch]
-            # past its prefill (a draft needs the verifier's feature) and never drafted
-            new = [bool(s.output_ids) and not s.metrics.num_drafted for s in batch]
-            budgets = adaptive.choose(acc, budgets, new)
+            acc = [adaptive.acceptance(s.metrics.num_model_accepted, s.metrics.num_model_drafted)
+                   for s in batch]
+            lacc = [adaptive.lookup.of_sequence(s.metrics.num_lookup_accepted, s.metrics.num_lookup_drafted)
+                    for s in batch]
+            # past its prefill (a draft needs the verifier's feature) and never drafted by the model
+            new = [bool(s.output_ids) and not s.metrics.num_model_drafted for s in batch]
+            budgets = adaptive.choose(acc, budgets, new, [len(x) for x in self.looked_up], lacc)
         self.ks = budgets
         # a sequence's first verify (and first draft) also prefills its prompt: such rounds would
         # teach the cost models that passes are dearer than they are, so they are not observed
         self.prefill_verify = any(not s.output_ids for s in batch)
         self.drafts: list[Proposal] = [Proposal([], None) for _ in batch]
+        self.is_lookup = [bool(x) and k > 0 for x, k in zip(self.looked_up, self.ks)]
+        for i, (x, k) in enumerate(zip(self.looked_up, self.ks)):
+            if self.is_lookup[i]:
+                self.drafts[i] = Proposal(x[:k], None)  # one-hot q at the copied tokens
         self.t_draft = 0.0
-        self.num_looked_up = 0  # sequences drafted by prompt lookup this round
 
     def propose_requests(self) -> dict[str, tuple[list[int], list[ProposeRequest]]]:
         """Requests per proposer name: (batch indices, requests)."""
         groups: dict[str, tuple[list[int], list[ProposeRequest]]] = {}
         for i, (s, k) in enumerate(zip(self.batch, self.ks)):
-            if k > 0:
-                name = self.proposer_of[s.seq_id]
-                if self.lookup is not None and name != "ngram":
-                    ids = self.lookup.lookup(s.tokens, k)
-                    if ids:
-                        self.drafts[i] = Proposal(ids, None)
-                        self.num_looked_up += 1
-                        continue
-                idx, reqs = groups.setdefault(name, ([], []))
+            if k > 0 and not self.is_lookup[i]:
+                idx, reqs = groups.setdefault(self.proposer_of[s.seq_id], ([], []))
                 idx.append(i)
                 reqs.append(ProposeRequest(s.seq_id, list(s.tokens), k, s.params, s.feature))
         return groups
@@ -77,7 +78,11 @@ class Round:
                 # a multi-step call is observed as that many passes of its one-step cost
                 n = max(r.num_passes for r in results)
                 self.adaptive.observe_verify(len(results), sum(r.num_drafted + 1 for r in results), verify_seconds / n)
-            self.adaptive.observe_round([(r.num_drafted, r.num_accepted) for r in results])
+            self.adaptive.observe_round([(r.num_drafted, r.num_accepted) for r in results], self.is_lookup)
+        for s, r, m in zip(self.batch, results, self.is_lookup):
+            if m:
+                s.metrics.num_lookup_drafted += r.num_drafted
+                s.metrics.num_lookup_accepted += r.num_accepted
         return [(s, s.commit(r)) for s, r in zip(self.batch, results)]
 
 

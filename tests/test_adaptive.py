@@ -122,3 +122,20 @@ def test_every_new_request_is_probed_once_even_when_speculation_is_off():
     assert ak.choose([0.05], [8], new=[False]) == [0]
     assert ak.choose([0.05, 0.05], [8, 1], new=[True, True]) == [2, 1]  # capped by budgets
     assert ak.choose([0.05, 0.05], [8, 8], new=[False, True]) == [0, 2]  # only the new one drafts
+
+
+def test_lookup_matches_get_their_own_k_from_their_own_acceptance():
+    """Prompt-lookup drafts are free and accepted very differently from the model's: a sequence
+    with a match drafts by lookup even while the model's drafts do not pay, and vice versa."""
+    ak = costs(draft=0.03)
+    for _ in range(50):
+        ak.observe_round([(4, 0), (4, 4)], looked_up=[False, True])
+    assert ak.global_acceptance() < 0.1 and ak.lookup.overall() > 0.9
+    a, la = ak.acceptance(0, 40), ak.lookup.of_sequence(40, 40)
+    assert ak.choose([a, a], [8, 8], lookups=[0, 6], lookup_acceptances=[la, la]) == [0, 6]
+    # a match whose copies keep being rejected is not verified
+    bad = AdaptiveK(k_max=8)
+    for _ in range(50):
+        bad.observe_round([(4, 0)], looked_up=[True])
+        bad.observe_verify(1, 1, 0.05), bad.observe_verify(1, 5, 0.08)
+    assert bad.choose([0.5], [8], lookups=[4], lookup_acceptances=[bad.lookup.of_sequence(0, 200)]) == [0]
