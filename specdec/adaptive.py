@@ -11,7 +11,10 @@ so no single line fits both 1 user and 16), the draft cost as a line. K = 0 is c
 speculation would not pay; a probe round now and then keeps the estimates fresh so speculation
 can come back, less and less often while probes keep saying no. Acceptance depends on the
 prompt far more than on the draft's average (extractive and list prompts accept 2-3x what chat
-does), so every new request is also probed once, at its first round that can draft."""
+does), so every new request is also probed once, at its first round that can draft. Drafts
+copied by prompt lookup are free to make and accepted very unevenly (near 1 in an extractive
+answer, near 0 elsewhere), so they have their own acceptance model and their own K, chosen
+together with the model's K because both share the verifier pass."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
