@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from specdec.adaptive import AdaptiveK
 from specdec.protocol import Proposal
-from specdec.proposers import NgramProposer
+from specdec.proposers import NgramProposer, lookup_proposer
 from specdec.rounds import Round
 from specdec.sequence import Delta, Sequence
 
@@ -50,7 +50,7 @@ class RoundLoop:
         self.local = {"ngram": NgramProposer()}  # needs no model: runs right here
         # prompt lookup before the Drafter: a match saves that sequence's draft (and, if every
         # sequence matches, the whole Drafter call)
-        self.lookup = NgramProposer(max_n=max(4, lookup_min_n), min_n=lookup_min_n) if lookup_min_n > 0 else None
+        self.lookup = lookup_proposer(lookup_min_n)
         self.proposer_of: dict[str, str | None] = {}
         self.shards: dict[str, list[Entry]] = {}
         self._wake: dict[str, asyncio.Event] = {}

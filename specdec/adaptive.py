@@ -17,6 +17,7 @@ answer, near 0 elsewhere), so they have their own acceptance model and their own
 together with the model's K because both share the verifier pass."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 
@@ -189,6 +190,7 @@ class AdaptiveK:
         def ks_for(k: int, kl: int) -> list[int]:
             return [min(kl if m else k, c) for m, c in zip(lk, caps)]
 
+        @functools.cache  # evaluated for every (k, kl) pair, then again for the checks below
         def rate(k: int, kl: int) -> float:
             ks = ks_for(k, kl)
             tokens = sum(e[ki] for e, ki in zip(gains, ks))

@@ -13,7 +13,7 @@ from specdec.config import EngineConfig
 from specdec.metrics import SpecMetrics, aggregate
 from specdec.models.runner import ModelRunner
 from specdec.adaptive import AdaptiveK
-from specdec.proposers import DraftModelProposer, NgramProposer, Proposer
+from specdec.proposers import DraftModelProposer, NgramProposer, Proposer, lookup_proposer
 from specdec.rounds import Round, timed
 from specdec.sampling import SamplingParams
 from specdec.sequence import Delta, Sequence
@@ -83,8 +83,7 @@ class SpecEngine:
         self._proposer_of: dict[str, str | None] = {}
         self._ids = itertools.count()
         self.adaptive = AdaptiveK(k_max=max(self.cfg.num_speculative_tokens, 1)) if self.cfg.adaptive else None
-        n = self.cfg.lookup_min_n
-        self.lookup = NgramProposer(max_n=max(self.cfg.ngram_max, n), min_n=n) if n > 0 else None
+        self.lookup = lookup_proposer(self.cfg.lookup_min_n, self.cfg.ngram_max)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "SpecEngine":

@@ -20,10 +20,13 @@ class SpecMetrics:
     t_first_token: float | None = None
     t_finish: float | None = None
 
-    def record_round(self, num_drafted: int, num_accepted: int, num_passes: int = 1) -> None:
+    def record_round(self, num_drafted: int, num_accepted: int, num_passes: int = 1, lookup: bool = False) -> None:
         self.num_verifier_passes += num_passes
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
+        if lookup:  # the drafts were copied by prompt lookup
+            self.num_lookup_drafted += num_drafted
+            self.num_lookup_accepted += num_accepted
         for per, n in ((self.drafted_per_position, num_drafted), (self.accepted_per_position, num_accepted)):
             per.extend([0] * (n - len(per)))
             for j in range(n):

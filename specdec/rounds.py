@@ -79,11 +79,7 @@ class Round:
                 n = max(r.num_passes for r in results)
                 self.adaptive.observe_verify(len(results), sum(r.num_drafted + 1 for r in results), verify_seconds / n)
             self.adaptive.observe_round([(r.num_drafted, r.num_accepted) for r in results], self.is_lookup)
-        for s, r, m in zip(self.batch, results, self.is_lookup):
-            if m:
-                s.metrics.num_lookup_drafted += r.num_drafted
-                s.metrics.num_lookup_accepted += r.num_accepted
-        return [(s, s.commit(r)) for s, r in zip(self.batch, results)]
+        return [(s, s.commit(r, m)) for s, r, m in zip(self.batch, results, self.is_lookup)]
 
 
 def timed(fn, *args):

@@ -64,8 +64,9 @@ class Sequence:
         k = self.num_speculative_tokens if k is None else k
         return max(0, min(k, self.room() - 1))
 
-    def commit(self, result: VerifyResult) -> Delta:
-        self.metrics.record_round(result.num_drafted, result.num_accepted, result.num_passes)
+    def commit(self, result: VerifyResult, lookup: bool = False) -> Delta:
+        """lookup: the round's drafts were copied by prompt lookup (counted apart in metrics)."""
+        self.metrics.record_round(result.num_drafted, result.num_accepted, result.num_passes, lookup)
         new: list[int] = []
         for tok in result.token_ids:
             if tok in self._stop_ids:

@@ -41,3 +41,9 @@ class NgramProposer:
 
     def free(self, seq_id: str) -> None:
         pass
+
+
+def lookup_proposer(min_n: int, max_n: int = 4) -> NgramProposer | None:
+    """The prompt lookup tried before a model proposer (`Round`): matches of at least min_n
+    tokens; None when min_n is 0 (off)."""
+    return NgramProposer(max_n=max(max_n, min_n), min_n=min_n) if min_n > 0 else None
