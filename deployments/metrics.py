@@ -17,6 +17,12 @@ class ServeMetrics:
         self.ttft = Histogram("specdec_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=(0.02, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
         self.in_flight = Gauge("specdec_in_flight", "Requests being generated", registry=r)
+        # a round's calls as the ingress sees them (RPC included): what adaptive K weighs
+        self.calls = Histogram("specdec_replica_call_seconds", "Drafter / Verifier call latency seen by the ingress",
+                               ["deployment"], registry=r, buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
+
+    def observe_call(self, deployment: str, seconds: float) -> None:
+        self.calls.labels(deployment).observe(seconds)
 
     def observe(self, tokens: int, drafted: int, accepted: int, latency_s: float, ttft_s: float | None) -> None:
         self.output_tokens.inc(tokens)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -40,9 +41,19 @@ class _Replica:
 
             self._pool.submit(torch.set_num_threads, num_threads).result()
 
+    def _on_compute(self, fn, *a):
+        """Run fn on the compute thread and wait: model building and tuning go there too.
+        libgomp keeps a thread team per calling thread, and once a process holds more OpenMP
+        threads than CPUs every team spins only ~100 iterations before sleeping in a futex:
+        building the verifier on the actor's main thread left a second team behind and cost
+        the default verifier's 1-token pass 55 -> 60-90 ms (1.3 instead of 2.0 CPU-s per s)."""
+        return self._pool.submit(fn, *a).result()
+
     def where(self) -> dict:
         ctx = serve.get_replica_context()
-        return {"node_id": ray.get_runtime_context().get_node_id(), "replica": ctx.replica_tag, "pid": os.getpid()}
+        # cpu_s against busy_s: how many cores the model calls keep busy (2 threads should give ~2)
+        return {"node_id": ray.get_runtime_context().get_node_id(), "replica": ctx.replica_tag, "pid": os.getpid(),
+                "cpu_s": time.process_time()}
 
     @serve.multiplexed(max_num_models_per_replica=64)
     async def _shard(self, shard: str) -> str:
@@ -71,13 +82,18 @@ class Drafter(_Replica):
 
         self.args = AppArgs(**args)
         super().__init__(self.args.draft_num_threads)
-        self.proposer = build_proposer(self.args.draft, _engine_config(self.args))
+        self.proposer = self._on_compute(build_proposer, self.args.draft, _engine_config(self.args))
         self.calls = 0
+        self.busy_s = 0.0  # time spent proposing
 
     async def propose(self, requests):
         await self._touch_shard()
         self.calls += 1
-        return await self._run(self.proposer.propose, requests)
+        t0 = time.perf_counter()
+        try:
+            return await self._run(self.proposer.propose, requests)
+        finally:
+            self.busy_s += time.perf_counter() - t0
 
     def free(self, seq_ids: list[str]) -> None:
         with self._lock:
@@ -86,7 +102,7 @@ class Drafter(_Replica):
 
     def stats(self) -> dict:
         runner = getattr(self.proposer, "runner", None)
-        return {**self.where(), "calls": self.calls, "proposer": self.proposer.name,
+        return {**self.where(), "calls": self.calls, "busy_s": self.busy_s, "proposer": self.proposer.name,
                 "resident_sequences": sorted(runner.slots) if runner else []}
 
 
@@ -97,11 +113,11 @@ class Verifier(_Replica):
 
         self.args = AppArgs(**args)
         super().__init__(self.args.num_threads)
-        self.verifier = build_verifier(_engine_config(self.args))
+        self.verifier = self._on_compute(build_verifier, _engine_config(self.args))
         from specdec.models.layouts import describe, maybe_tune
 
         # on the compute thread, with its thread count: kernels are chosen per thread team
-        decided = self._pool.submit(maybe_tune, self.verifier.runner.model).result()
+        decided = self._on_compute(maybe_tune, self.verifier.runner.model)
         # for operators: the kernel each weight shape uses by rows ('t' x @ W_t, 'w' F.linear, 'p' packed)
         self.layouts = describe(decided)
 
