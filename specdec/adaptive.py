@@ -11,7 +11,9 @@ so no single line fits both 1 user and 16), the draft cost as a line. K = 0 is c
 speculation would not pay; a probe round now and then keeps the estimates fresh so speculation
 can come back, less and less often while probes keep saying no. Acceptance depends on the
 prompt far more than on the draft's average (extractive and list prompts accept 2-3x what chat
-does), so every new request is also probed once, at its first round that can draft. Drafts
+does), so every new request is also probed once, at its first round that can draft. A probe,
+of either kind, is made only when it would pay were the drafts accepted at a high rate: in a
+batch big enough to make the pass compute-bound it cannot, and waits for the load to fall. Drafts
 copied by prompt lookup are free to make and accepted very unevenly (near 1 in an extractive
 answer, near 0 elsewhere), so they have their own acceptance model and their own K, chosen
 together with the model's K because both share the verifier pass."""
@@ -136,6 +138,7 @@ class AdaptiveK:
     max_probe_every: int = 256  # longest wait between probes
     min_gain: float = 0.03  # speculate only when predicted to beat K = 0 by this much (the model errs)
     first_probe_k: int = 2  # drafts in each new request's one probe (0 = no per-request probe)
+    probe_optimism: float = 0.9  # a probe is made only if it would pay at this acceptance (else it can only lose)
     prior_acceptance: float = 0.5  # acceptance assumed before any draft was verified
     prior_weight: float = 4.0  # pseudo-drafts behind the prior in each sequence's estimate
     verify_prior: tuple[float, float] = (0.06, 0.01)  # s per verifier pass = a + b * tokens, until measured
@@ -185,18 +188,32 @@ class AdaptiveK:
         caps = [min(b, m) if m else b for b, m in zip(budgets, lookups)]
         gains = [self.lookup.gains(la) if m else self.model.gains(a)
                  for a, m, la in zip(acceptances, lookups, lookup_acceptances or acceptances)]
-        n_model = B - sum(lk)
 
         def ks_for(k: int, kl: int) -> list[int]:
             return [min(kl if m else k, c) for m, c in zip(lk, caps)]
 
+        def rate_of(ks: list[int], gain_rows: list[list[float]]) -> float:
+            tokens = sum(e[ki] for e, ki in zip(gain_rows, ks))
+            k_model = max((ki for ki, m in zip(ks, lk) if not m), default=0)
+            n_drafting = sum(1 for ki, m in zip(ks, lk) if ki and not m)
+            t = self.verify_cost(B, sum(ks) + B) + (self.draft_cost(k_model * n_drafting) if k_model else 0.0)
+            return tokens / t
+
         @functools.cache  # evaluated for every (k, kl) pair, then again for the checks below
         def rate(k: int, kl: int) -> float:
-            ks = ks_for(k, kl)
-            tokens = sum(e[ki] for e, ki in zip(gains, ks))
-            k_model = max((ki for ki, m in zip(ks, lk) if not m), default=0)
-            t = self.verify_cost(B, sum(ks) + B) + (self.draft_cost(k_model * n_model) if k_model else 0.0)
-            return tokens / t
+            return rate_of(ks_for(k, kl), gains)
+
+        def probe_pays(probed: list[bool]) -> bool:
+            """Could speculation pay for the probed sequences at some K if their drafts were
+            accepted at probe_optimism? In a big batch the pass is compute-bound and every
+            sequence waits for the draft call: then a probe can only lose, whatever it finds."""
+            e, opt = 1.0, [1.0]
+            for i in range(1, self.k_max + 1):
+                e += self.probe_optimism ** i
+                opt.append(e)
+            rows, others = [opt if p else g for p, g in zip(probed, gains)], ks_for(0, best_l)
+            return any(rate_of([min(k, c) if p else o for p, c, o in zip(probed, caps, others)], rows)
+                       >= (1 + self.min_gain) * rate(0, best_l) for k in range(1, limit + 1))
 
         limit = min(self.k_max, max((c for c, m in zip(caps, lk) if not m), default=0))
         limit_l = min(self.k_max, max((c for c, m in zip(caps, lk) if m), default=0))
@@ -212,11 +229,14 @@ class AdaptiveK:
         self._probing = False
         if best == 0 and new and self.first_probe_k and any(n and b and not m for n, b, m in zip(new, caps, lk)):
             # a request's own probe: its prompt may accept far above the average
-            return [min(self.first_probe_k, c) if (n and not m) else ki
-                    for n, c, m, ki in zip(new, caps, lk, ks_for(0, best_l))]
+            probed = [bool(n and c and not m) for n, c, m in zip(new, caps, lk)]
+            ks = [min(self.first_probe_k, c) if p else ki for p, c, ki in zip(probed, caps, ks_for(0, best_l))]
+            if probe_pays(probed):
+                return ks
         if best == 0 and limit > 0:
             self._rounds_at_zero += 1
-            if self._rounds_at_zero >= (self._probe_wait or self.probe_every):
+            if self._rounds_at_zero >= (self._probe_wait or self.probe_every) and \
+                    probe_pays([not m for m in lk]):  # else: probe once the load allows
                 self._rounds_at_zero, best, self._probing = 0, 1, True
         else:
             self._rounds_at_zero = 0

@@ -47,6 +47,19 @@ def test_a_flat_then_steep_curve_speculates_alone_but_not_in_a_big_batch():
     assert ak.choose([0.4] * 16, [4] * 16) == [0] * 16
 
 
+def test_no_probes_where_even_a_good_draft_could_not_pay():
+    """At 16 users the pass is compute-bound: a new request's probe (or the periodic one) would
+    hold up the batch for a draft call and widen its pass, so it waits; alone, it is probed."""
+    ak = AdaptiveK(k_max=4)
+    for _ in range(20):
+        for b, x, y in ((1, 1, 0.050), (1, 3, 0.055), (16, 16, 0.20), (16, 32, 0.38)):
+            ak.observe_verify(b, x, y)
+        ak.observe_draft(1, 2, 0.02)
+    assert ak.choose([0.05] * 16, [4] * 16, new=[True] + [False] * 15) == [0] * 16
+    assert all(ak.choose([0.05] * 16, [4] * 16) == [0] * 16 for _ in range(3 * ak.probe_every))
+    assert ak.choose([0.05], [4], new=[True]) == [2]
+
+
 def test_an_unseen_batch_size_borrows_the_nearest_curve():
     ak = AdaptiveK()
     for x, y in ((4, 0.08), (8, 0.10)):
