@@ -4,9 +4,9 @@ on and off, plus the in-process engine at one user for comparison.
     .venv/bin/python bench/serve_load.py [--tiny] [--users 1 4 16] [--reps 3] [--one-user-reps 8] [--max-tokens 64]
 
 Each level runs --reps times (1 user: --one-user-reps) with speculation on and off alternating
-first (the in-process engine runs the same question between the 1-user reps, and Serve vs
-in-process is the median of those paired ratios), so drift favours neither; reports the median aggregate tok/s,
-p50/p99 latency, TTFT and the verifier's mean batch size, and writes
+first, so drift favours neither; the in-process engine answers the same question between the
+1-user reps, and Serve vs in-process is the median of those paired ratios. Reports the median
+aggregate tok/s, p50/p99 latency, TTFT and the verifier's mean batch size, and writes
 bench/results/serve_load[-tiny].json."""
 from __future__ import annotations
 
