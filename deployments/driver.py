@@ -114,13 +114,9 @@ class RoundLoop:
         rnd = Round([e.seq for e in batch], self.proposer_of, self.adaptive, self.lookup)
         for name, (idx, reqs) in rnd.propose_requests().items():
             t0 = time.perf_counter()
-            props = await self._propose(shard, name, reqs)
-            rnd.set_proposals(idx, props, time.perf_counter() - t0)
-            if name not in self.local:
-                self.observe_call("Drafter", time.perf_counter() - t0)
+            rnd.set_proposals(idx, await self._propose(shard, name, reqs), time.perf_counter() - t0)
         t0 = time.perf_counter()
         results = await self._verify(shard, rnd.verify_requests(self.decode_steps))
-        self.observe_call("Verifier", time.perf_counter() - t0)
         if results is None:
             for e in batch:
                 self._fail(e, APIError(503, "verifier unavailable; retry later", "server_error",
@@ -143,8 +139,10 @@ class RoundLoop:
         if time.monotonic() < self._drafter_down_until:
             return none
         call = self.drafter.options(multiplexed_model_id=shard).propose.remote(reqs)
+        t0 = time.perf_counter()
         try:
             props = await asyncio.wait_for(call, self.drafter_timeout_s)
+            self.observe_call("Drafter", time.perf_counter() - t0)
             self._drafter_backoff = 1.0
             return props
         except Exception:  # a lost drafter costs speed, not correctness: verify without drafts
@@ -161,8 +159,11 @@ class RoundLoop:
         restarted replica recomputes from the token lists), so a lost verifier costs time only."""
         give_up, delay = time.monotonic() + self.verify_retry_s, 0.25
         while True:
+            t0 = time.perf_counter()
             try:
-                return await self.verifier.options(multiplexed_model_id=shard).verify.remote(reqs)
+                results = await self.verifier.options(multiplexed_model_id=shard).verify.remote(reqs)
+                self.observe_call("Verifier", time.perf_counter() - t0)
+                return results
             except Exception:
                 self.verifier_failures += 1
                 log.warning("verifier call failed", exc_info=True)

@@ -207,10 +207,7 @@ class AdaptiveK:
             """Could speculation pay for the probed sequences at some K if their drafts were
             accepted at probe_optimism? In a big batch the pass is compute-bound and every
             sequence waits for the draft call: then a probe can only lose, whatever it finds."""
-            e, opt = 1.0, [1.0]
-            for i in range(1, self.k_max + 1):
-                e += self.probe_optimism ** i
-                opt.append(e)
+            opt = [sum(self.probe_optimism ** i for i in range(k + 1)) for k in range(self.k_max + 1)]  # E(k)
             rows, others = [opt if p else g for p, g in zip(probed, gains)], ks_for(0, best_l)
             return any(rate_of([min(k, c) if p else o for p, c, o in zip(probed, caps, others)], rows)
                        >= (1 + self.min_gain) * rate(0, best_l) for k in range(1, limit + 1))
