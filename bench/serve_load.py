@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -106,6 +108,9 @@ def main() -> int:
     ap.add_argument("--one-user-reps", type=int, default=8,
                     help="repetitions at 1 user (cheap; each rep is one question, paired with the in-process engine)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--set", action="append", default=[], metavar="ARG=VALUE",
+                    help="override an app arg of serve_config.yaml (VALUE parsed as YAML), e.g. --set draft_num_threads=2")
+    ap.add_argument("--name", default=None, help="results file bench/results/<name>.json (default serve_load[-tiny])")
     a = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from ray import serve
@@ -115,6 +120,9 @@ def main() -> int:
     override = {"api_keys_env": None, "max_batch_size": 16, "max_queue": 128}
     if a.tiny:
         override.update(verifier="tiny", draft="tiny:noise=0.05", model_name="tiny")
+    for kv in a.set:
+        key, _, value = kv.partition("=")
+        override[key] = yaml.safe_load(value)
     model = override.get("model_name", "SmolLM2-135M-Instruct")
     rows, engine_runs = [], []
     eng = in_process_engine(override)  # the in-process engine, run between the 1-user Serve reps
@@ -162,10 +170,10 @@ def main() -> int:
                      f"{r['verifier_mean_batch_size']:.2f} | {r['acceptance_rate']:.2f} |")
     print("\n".join(lines))
     print(json.dumps(summary, indent=1))
-    out = ROOT / "bench" / "results" / f"serve_load{'-tiny' if a.tiny else ''}.json"
+    out = ROOT / "bench" / "results" / f"{a.name or 'serve_load' + ('-tiny' if a.tiny else '')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "summary": summary, "table": lines,
-                               "config": {"max_tokens": a.max_tokens, "reps": a.reps, "one_user_reps": a.one_user_reps,
+                               "config": {"overrides": a.set, "max_tokens": a.max_tokens, "reps": a.reps, "one_user_reps": a.one_user_reps,
                                           "in_process_tokens_per_s_reps": engine_runs}}, indent=1))
     return 0
 

@@ -18,8 +18,8 @@ def build_app(args: dict | None = None, deployment_options: dict[str, dict] | No
     a = AppArgs(**(args or {}))
     opts = deployment_options or {}
     kw = a.model_dump()
-    verifier = Verifier.options(**opts.get("Verifier", {})).bind(kw)
     drafter = Drafter.options(**opts.get("Drafter", {})).bind(kw) if a.draft != "none" else None
+    verifier = Verifier.options(**opts.get("Verifier", {})).bind(kw, drafter if a.prefetch_drafts else None)
     return OpenAIIngress.options(**opts.get("OpenAIIngress", {})).bind(kw, drafter, verifier)
 
 

@@ -38,13 +38,14 @@ class Entry:
 class RoundLoop:
     def __init__(self, drafter, verifier, max_batch_size: int, num_shards: int = 1, adaptive: AdaptiveK | None = None,
                  verify_retry_s: float = 30.0, drafter_timeout_s: float = 5.0, decode_steps: int = 1,
-                 lookup_min_n: int = 0, observe_call=None):
+                 lookup_min_n: int = 0, observe_call=None, prefetch: bool = False):
         self.drafter, self.verifier = drafter, verifier
         self.max_batch_size, self.num_shards = max_batch_size, num_shards
         self.adaptive = adaptive
         self.verify_retry_s = verify_retry_s
         self.drafter_timeout_s = drafter_timeout_s
         self.decode_steps = decode_steps
+        self.prefetch = prefetch  # verify requests ask the Verifier to get the next round drafted
         self.observe_call = observe_call or (lambda deployment, seconds: None)  # (name, s) per remote call
         self._drafter_down_until = 0.0  # after a failure, rounds skip the drafter (K=0) until then
         self._drafter_backoff = 1.0
@@ -112,11 +113,19 @@ class RoundLoop:
         if not batch:
             return
         rnd = Round([e.seq for e in batch], self.proposer_of, self.adaptive, self.lookup)
-        for name, (idx, reqs) in rnd.propose_requests().items():
+        groups = rnd.propose_requests()
+        for name, (idx, reqs) in groups.items():
             t0 = time.perf_counter()
             rnd.set_proposals(idx, await self._propose(shard, name, reqs), time.perf_counter() - t0)
+        vreqs = rnd.verify_requests(self.decode_steps)
+        if self.prefetch:
+            # a sequence the Drafter drafted for will most likely want it again next round, at
+            # the same K: the Verifier asks for those drafts as soon as its pass is done
+            for i in groups.get("draft", ([], []))[0]:
+                if rnd.drafts[i].token_ids and rnd.batch[i].room() > len(rnd.drafts[i].token_ids) + 1:
+                    vreqs[i].prefetch_k = rnd.ks[i]
         t0 = time.perf_counter()
-        results = await self._verify(shard, rnd.verify_requests(self.decode_steps))
+        results = await self._verify(shard, vreqs)
         if results is None:
             for e in batch:
                 self._fail(e, APIError(503, "verifier unavailable; retry later", "server_error",

@@ -36,6 +36,9 @@ class VerifyRequest:
     # without drafts: plain decoding steps in this one call (vLLM's multi-step scheduling), so
     # the per-call overhead of a remote verifier is paid once per several tokens
     num_steps: int = 1
+    # after this pass, have the drafter draft this many for the sequence's next round, from the
+    # new tokens and feature, while the result travels back (Serve's draft prefetch; 0 = don't)
+    prefetch_k: int = 0
 
 
 @dataclass

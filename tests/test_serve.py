@@ -64,6 +64,42 @@ def test_chat_non_streaming_equals_engine(client, reference):
     assert spec["num_drafted"] > 0 and 0 < spec["acceptance_rate"] <= 1 and spec["mean_accepted_length"] > 1
 
 
+def test_prefetched_drafts_are_used_and_lossless(server, client, reference):
+    """The Verifier has the Drafter draft each next round right after its pass: the round's
+    propose call then takes those drafts, and greedy output is unchanged."""
+    before = server["drafter"].stats.remote().result()
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40, temperature=0)
+    assert r.choices[0].message.content == greedy(reference, CHAT).text
+    after = server["drafter"].stats.remote().result()
+    assert after["prefetched"] > before["prefetched"]
+    assert after["prefetch_hits"] > before["prefetch_hits"]
+
+
+def test_prefetched_drafts_equal_fresh_ones():
+    """A K-draft from a longer prefetched chain is what drafting K afresh gives: the same tokens
+    and the same q rows, sampled too (the draws come from the round's own generator)."""
+    import torch
+
+    from deployments.replicas import Drafter
+    from specdec.protocol import ProposeRequest
+    from specdec.sampling import SamplingParams
+
+    d = Drafter.func_or_class({**TINY, "draft": "tiny:noise=0.05"})
+    sampled = SamplingParams(max_tokens=50, temperature=0.8, seed=3)
+    greedy_p = SamplingParams(max_tokens=50)
+    req = lambda k, sid="a", p=sampled: ProposeRequest(sid, list(range(5, 25)), k, p)  # noqa: E731
+    fresh = d._propose([req(2), req(3, "b", greedy_p)])
+    d._prefetch([req(4), req(3, "b", greedy_p)])
+    got = d._propose([req(2), req(3, "b", greedy_p)])
+    assert d.prefetch_hits == 2
+    assert [p.token_ids for p in got] == [p.token_ids for p in fresh]
+    assert torch.equal(got[0].probs, fresh[0].probs) and got[1].probs is None
+    d._prefetch([req(4)])  # a prefetch for a sequence that ended is dropped, not cached
+    d.free(["a"])
+    d._prefetch([req(4)])
+    assert not d._ready and d._propose([req(2)])[0].token_ids == fresh[0].token_ids
+
+
 def test_chat_streaming_chunks_and_usage(client, reference):
     stream = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40, temperature=0, stream=True,
                                             stream_options={"include_usage": True})
