@@ -18,7 +18,7 @@ class AppArgs(BaseModel):
     adaptive: bool = Field(True, description="Choose K each round from measured acceptance, load and cost (0 when speculation does not pay).")
     default_proposer: str = Field("draft", description="Proposer used when a request names none: 'draft', 'ngram' or 'none'.")
     lookup_min_n: int = Field(3, ge=0, le=16, description="Before the draft, try prompt lookup in the ingress: a suffix match of at least this many tokens drafts for free, with no Drafter call (0 = off).")
-    prefetch_drafts: bool = Field(True, description="The Verifier asks the Drafter for a sequence's next drafts right after its pass, so drafting overlaps the result's trip to the ingress (the drafts are the same as drafting afterwards).")
+    prefetch_drafts: bool = Field(True, description="The Verifier gets each round's drafts from the Drafter itself and has the next round's drafted right after its pass: a speculative round is one remote call for the ingress, and drafting overlaps the result's trip back (the drafts are the same as drafting afterwards).")
     device: str = Field("cpu", description="Torch device of the model replicas: 'cpu', 'cuda' or 'auto'.")
     dtype: str = Field("float32", description="Weights dtype: 'float32', 'bfloat16' or 'float16'.")
     num_threads: int = Field(0, ge=0, description="torch CPU threads per Verifier replica (0 = torch default).")

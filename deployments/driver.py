@@ -3,9 +3,11 @@
 Each shard (a group of sequences that sticks to one drafter and one verifier replica, routed as
 a Serve multiplexed id) runs its own loop: every round takes the shard's active sequences (up to
 max_batch_size), asks the Drafter for all of their proposals in one call, asks the Verifier to
-check all of them in one pass, and commits. Users join and leave between rounds, so a lone user
-never waits for a batch to fill. The loop holds the authoritative token lists; replicas only
-cache, so a failed or replaced replica costs a recompute, never a token."""
+check all of them in one pass, and commits. With draft prefetch the Verifier makes the Drafter
+call itself, for the next round as soon as its pass is done, so a round is one call from here.
+Users join and leave between rounds, so a lone user never waits for a batch to fill. The loop
+holds the authoritative token lists; replicas only cache, so a failed or replaced replica costs
+a recompute, never a token."""
 from __future__ import annotations
 
 import asyncio
@@ -45,7 +47,9 @@ class RoundLoop:
         self.verify_retry_s = verify_retry_s
         self.drafter_timeout_s = drafter_timeout_s
         self.decode_steps = decode_steps
-        self.prefetch = prefetch  # verify requests ask the Verifier to get the next round drafted
+        # the Verifier gets the Drafter's drafts (one call per round) and has the next round's
+        # drafted right after its pass
+        self.prefetch = prefetch
         self.observe_call = observe_call or (lambda deployment, seconds: None)  # (name, s) per remote call
         self._drafter_down_until = 0.0  # after a failure, rounds skip the drafter (K=0) until then
         self._drafter_backoff = 1.0
@@ -114,25 +118,36 @@ class RoundLoop:
             return
         rnd = Round([e.seq for e in batch], self.proposer_of, self.adaptive, self.lookup)
         groups = rnd.propose_requests()
+        # with prefetch the Verifier gets the Drafter's drafts itself: one call for the round
+        fetch = groups.pop("draft", ([], []))[0] if self.prefetch and self._drafter_up() else []
         for name, (idx, reqs) in groups.items():
             t0 = time.perf_counter()
             rnd.set_proposals(idx, await self._propose(shard, name, reqs), time.perf_counter() - t0)
-        vreqs = rnd.verify_requests(self.decode_steps)
-        if self.prefetch:
-            # a sequence the Drafter drafted for will most likely want it again next round, at
-            # the same K: the Verifier asks for those drafts as soon as its pass is done
-            for i in groups.get("draft", ([], []))[0]:
-                if rnd.drafts[i].token_ids and rnd.batch[i].room() > len(rnd.drafts[i].token_ids) + 1:
-                    vreqs[i].prefetch_k = rnd.ks[i]
-        t0 = time.perf_counter()
-        results = await self._verify(shard, vreqs)
-        if results is None:
+        vreqs = rnd.verify_requests(self.decode_steps, fetch)
+        for i in fetch:
+            # a sequence drafted for now will most likely want drafts again next round, at the
+            # same K: the Verifier has them made as soon as its pass is done
+            if rnd.batch[i].room() > rnd.ks[i] + 1:
+                vreqs[i].prefetch_k = rnd.ks[i]
+        answer = await self._verify(shard, vreqs)
+        if answer is None:
             for e in batch:
                 self._fail(e, APIError(503, "verifier unavailable; retry later", "server_error",
                                        code="service_unavailable", headers={"Retry-After": "2"}))
             return
+        results, t_verify = answer
+        if fetch:
+            draft_s = results[0].draft_s  # one wait for the call's drafts, reported on each result
+            t_verify -= draft_s
+            self.observe_call("Drafter", draft_s)
+            rnd.observe_draft(fetch, max(results[i].num_drafted for i in fetch), draft_s)
+            if any(r.draft_failed for r in results):
+                self._drafter_failed()
+            else:
+                self._drafter_backoff = 1.0
+        self.observe_call("Verifier", t_verify)
         self.rounds += 1
-        for (seq, delta), e in zip(rnd.commit(results, time.perf_counter() - t0), batch):
+        for (seq, delta), e in zip(rnd.commit(results, t_verify), batch):
             if e.aborted:  # aborted while this round was in flight: its calls may have re-cached it
                 self._free(e)
                 continue
@@ -141,11 +156,21 @@ class RoundLoop:
                 self.shards[shard].remove(e)
                 self._free(e)
 
+    def _drafter_up(self) -> bool:
+        return time.monotonic() >= self._drafter_down_until
+
+    def _drafter_failed(self) -> None:
+        self.drafter_failures += 1
+        # while no drafter answers (e.g. its replacement is starting), don't wait for one
+        self._drafter_down_until = time.monotonic() + self._drafter_backoff
+        log.warning("drafter call failed; rounds run with K=0 for %.0f s", self._drafter_backoff)
+        self._drafter_backoff = min(2 * self._drafter_backoff, 10.0)
+
     async def _propose(self, shard: str, name: str, reqs) -> list[Proposal]:
         if name in self.local:
             return self.local[name].propose(reqs)
         none = [Proposal([], None) for _ in reqs]
-        if time.monotonic() < self._drafter_down_until:
+        if not self._drafter_up():
             return none
         call = self.drafter.options(multiplexed_model_id=shard).propose.remote(reqs)
         t0 = time.perf_counter()
@@ -156,23 +181,20 @@ class RoundLoop:
             return props
         except Exception:  # a lost drafter costs speed, not correctness: verify without drafts
             call.cancel()
-            self.drafter_failures += 1
-            # while no drafter answers (e.g. its replacement is starting), don't wait for one
-            self._drafter_down_until = time.monotonic() + self._drafter_backoff
-            self._drafter_backoff = min(2 * self._drafter_backoff, 10.0)
-            log.warning("drafter call failed; rounds run with K=0 for %.0f s", self._drafter_backoff, exc_info=True)
+            log.debug("drafter call failed", exc_info=True)
+            self._drafter_failed()
             return none
 
     async def _verify(self, shard: str, reqs):
-        """Retried with backoff for up to verify_retry_s: a retry is idempotent (another or a
-        restarted replica recomputes from the token lists), so a lost verifier costs time only."""
+        """(results, seconds of the call that answered), or None when every try failed. Retried
+        with backoff for up to verify_retry_s: a retry is idempotent (another or a restarted
+        replica recomputes from the token lists), so a lost verifier costs time only."""
         give_up, delay = time.monotonic() + self.verify_retry_s, 0.25
         while True:
             t0 = time.perf_counter()
             try:
                 results = await self.verifier.options(multiplexed_model_id=shard).verify.remote(reqs)
-                self.observe_call("Verifier", time.perf_counter() - t0)
-                return results
+                return results, time.perf_counter() - t0
             except Exception:
                 self.verifier_failures += 1
                 log.warning("verifier call failed", exc_info=True)

@@ -89,65 +89,30 @@ class Drafter(_Replica):
         super().__init__(self.args.draft_num_threads)
         self.proposer = self._on_compute(build_proposer, self.args.draft, _engine_config(self.args))
         self.calls = 0
-        self.busy_s = 0.0  # time spent proposing (prefetches included)
-        # seq_id -> (request, proposal) drafted ahead by `prefetch`, waiting for the round's `propose`
-        self._ready: OrderedDict[str, tuple] = OrderedDict()
+        self.busy_s = 0.0  # time spent proposing
         # ids freed lately: a prefetch that arrives after its sequence ended must not re-cache it
         self._freed: OrderedDict[str, None] = OrderedDict()
-        self.prefetched = self.prefetch_hits = 0
 
-    async def propose(self, requests):
+    async def propose(self, requests) -> list[Proposal]:
         await self._touch_shard()
         self.calls += 1
-        return await self._timed(self._propose, requests)
-
-    async def prefetch(self, requests) -> None:
-        """Draft a round ahead (sent by the Verifier right after its pass, with the new tokens and
-        feature), so the ingress's `propose` for that round finds the drafts made while the
-        verify result travelled to the ingress and the ingress called here."""
-        await self._touch_shard()
-        await self._timed(self._prefetch, requests)
-
-    async def _timed(self, fn, requests):
         t0 = time.perf_counter()
         try:
-            return await self._run(fn, requests)
+            return await self._run(self._propose, requests)
         finally:
             self.busy_s += time.perf_counter() - t0
 
-    def _prefetch(self, requests) -> None:
-        requests = [r for r in requests if r.seq_id not in self._freed]
-        for r, p in zip(requests, self.proposer.propose(requests)):
-            self._ready[r.seq_id] = (r, p)
-            self._ready.move_to_end(r.seq_id)
-        self.prefetched += len(requests)
-        while len(self._ready) > 4 * self.args.max_seqs:  # never-claimed drafts of ended sequences
-            self._ready.popitem(last=False)
-
-    def _propose(self, requests):
-        """Drafts from a prefetch where it drafted from the same tokens and settings and at least
-        as far (a K-draft chain is the first K of a longer one: the same argmax or the same
-        per-round generator draws), the rest computed now in one batch."""
-        out, todo = [None] * len(requests), []
-        for i, r in enumerate(requests):
-            got = self._ready.pop(r.seq_id, None)
-            k = r.num_speculative_tokens
-            if got and got[0].tokens == r.tokens and got[0].params == r.params and got[0].num_speculative_tokens >= k:
-                p = got[1]
-                out[i] = Proposal(p.token_ids[:k], None if p.probs is None else p.probs[:k])
-                self.prefetch_hits += 1
-            else:
-                todo.append(i)
-        if todo:
-            for i, p in zip(todo, self.proposer.propose([requests[i] for i in todo])):
-                out[i] = p
+    def _propose(self, requests) -> list[Proposal]:
+        live = [i for i, r in enumerate(requests) if r.seq_id not in self._freed]
+        out = [Proposal([], None) for _ in requests]
+        for i, p in zip(live, self.proposer.propose([requests[i] for i in live]) if live else []):
+            out[i] = p
         return out
 
     def free(self, seq_ids: list[str]) -> None:
         with self._lock:
             for s in seq_ids:
                 self.proposer.free(s)
-                self._ready.pop(s, None)
                 self._freed[s] = None
             while len(self._freed) > 4096:
                 self._freed.popitem(last=False)
@@ -155,19 +120,27 @@ class Drafter(_Replica):
     def stats(self) -> dict:
         runner = getattr(self.proposer, "runner", None)
         return {**self.where(), "calls": self.calls, "busy_s": self.busy_s, "proposer": self.proposer.name,
-                "prefetched": self.prefetched, "prefetch_hits": self.prefetch_hits,
                 "resident_sequences": sorted(runner.slots) if runner else []}
 
 
 @serve.deployment(name="Verifier", max_ongoing_requests=16)
 class Verifier(_Replica):
+    """With a drafter handle (draft prefetch on), a request may leave its drafts to the Verifier
+    (fetch_k): right after each pass it asks the Drafter for the next round's drafts, which are
+    made while the results travel to the driver and its next call travels back, and that call
+    takes them. A speculative round is then one remote call for the driver instead of two, and
+    the draft probabilities go drafter -> verifier directly."""
+
     def __init__(self, args: dict, drafter=None):
         from specdec.engine import build_verifier
 
         self.args = AppArgs(**args)
         super().__init__(self.args.num_threads)
-        self.drafter = drafter  # for draft prefetch (None = off)
-        self._prefetches: set[asyncio.Task] = set()
+        self.drafter = drafter
+        # seq_id -> (the ProposeRequest drafted ahead, index in its call, task with the call's proposals)
+        self._ahead: OrderedDict[str, tuple] = OrderedDict()
+        self._freed: OrderedDict[str, None] = OrderedDict()
+        self.prefetched = self.prefetch_hits = self.draft_failures = 0
         self.verifier = self._on_compute(build_verifier, _engine_config(self.args))
         from specdec.models.layouts import describe, maybe_tune
 
@@ -178,39 +151,92 @@ class Verifier(_Replica):
 
     async def verify(self, requests):
         await self._touch_shard()
+        draft_s, failed = 0.0, False
+        if any(r.fetch_k for r in requests) and self.drafter is not None:
+            t0 = time.perf_counter()
+            failed = not await self._fetch_drafts(requests)
+            draft_s = time.perf_counter() - t0
+        for r in requests:
+            if not r.fetch_k:  # drafted ahead but not wanted (K went to 0): drop
+                self._ahead.pop(r.seq_id, None)
         results = await self._run(self.verifier.verify, requests)
         if self.drafter is not None:
             self._prefetch(requests, results)
+        for res in results:
+            res.draft_s, res.draft_failed = draft_s, failed
         return results
 
+    def _draft(self, reqs) -> asyncio.Task:
+        """One Drafter call, as a task several sequences' waits can share."""
+        call = self.drafter.options(multiplexed_model_id=serve.get_multiplexed_model_id()).propose.remote(reqs)
+
+        async def answer():
+            return await asyncio.wait_for(call, self.args.drafter_timeout_s)
+
+        return asyncio.get_running_loop().create_task(answer())
+
+    async def _fetch_drafts(self, requests) -> bool:
+        """Fill each fetch_k request's drafts: from the prefetch that drafted from the same tokens
+        and settings and at least as far (K drafts are the first K of a longer chain: the same
+        argmax, or the same per-round generator draws), the rest in one call now. False when the
+        drafter failed (those requests are verified without drafts)."""
+        from specdec.protocol import ProposeRequest
+
+        waits, misses = [], []
+        for r in requests:
+            if not r.fetch_k:
+                continue
+            got = self._ahead.pop(r.seq_id, None)
+            if got and got[0].tokens == r.tokens and got[0].params == r.params and got[0].num_speculative_tokens >= r.fetch_k:
+                waits.append((r, got[2], got[1]))
+                self.prefetch_hits += 1
+            else:
+                misses.append(r)
+        if misses:
+            task = self._draft([ProposeRequest(r.seq_id, r.tokens, r.fetch_k, r.params, r.feature) for r in misses])
+            waits += [(r, task, i) for i, r in enumerate(misses)]
+        ok = True
+        for r, task, i in waits:
+            try:
+                p = (await task)[i]
+            except Exception:  # a lost drafter costs this round its drafts, nothing else
+                log.warning("drafter call failed; verifying without drafts", exc_info=True)
+                self.draft_failures += 1
+                ok = False
+                continue
+            k = r.fetch_k
+            r.draft_token_ids, r.draft_probs = p.token_ids[:k], None if p.probs is None else p.probs[:k]
+        return ok
+
     def _prefetch(self, requests, results) -> None:
-        """Ask the Drafter for the next round's drafts now, before the results go back: it drafts
-        while they travel to the ingress and the ingress calls it, instead of after."""
+        """Ask the Drafter for the next round's drafts now, before the results go back."""
         from specdec.protocol import ProposeRequest
 
         ahead = [ProposeRequest(r.seq_id, r.tokens + res.token_ids, r.prefetch_k, r.params, res.feature)
-                 for r, res in zip(requests, results) if r.prefetch_k > 0]
+                 for r, res in zip(requests, results) if r.prefetch_k > 0 and r.seq_id not in self._freed]
         if not ahead:
             return
-        call = self.drafter.options(multiplexed_model_id=serve.get_multiplexed_model_id()).prefetch.remote(ahead)
-
-        async def wait():
-            try:
-                await call
-            except Exception:  # a lost prefetch costs the round a fresh draft, nothing else
-                log.warning("draft prefetch failed", exc_info=True)
-
-        task = asyncio.get_running_loop().create_task(wait())
-        self._prefetches.add(task)  # keep a reference until done
-        task.add_done_callback(self._prefetches.discard)
+        task = self._draft(ahead)
+        # retrieve a failure here too, so an unclaimed one is not reported as never retrieved
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        for i, req in enumerate(ahead):
+            self._ahead[req.seq_id] = (req, i, task)
+            self._ahead.move_to_end(req.seq_id)
+        self.prefetched += len(ahead)
+        while len(self._ahead) > 4 * self.args.max_seqs:  # never claimed: sequences that ended
+            self._ahead.popitem(last=False)
 
     def free(self, seq_ids: list[str]) -> None:
         with self._lock:
             for s in seq_ids:
                 self.verifier.free(s)
+                self._ahead.pop(s, None)
+                self._freed[s] = None
+            while len(self._freed) > 4096:
+                self._freed.popitem(last=False)
 
     def stats(self) -> dict:
         v = self.verifier
         return {**self.where(), "passes": v.passes, "batch_sizes": list(v.batch_sizes), "busy_s": v.busy_s,
-                "resident_sequences": sorted(v.runner.slots), "evictions": v.runner.evictions, "layouts": self.layouts}
-
+                "resident_sequences": sorted(v.runner.slots), "evictions": v.runner.evictions, "layouts": self.layouts,
+                "prefetched": self.prefetched, "prefetch_hits": self.prefetch_hits, "draft_failures": self.draft_failures}

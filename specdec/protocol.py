@@ -36,6 +36,10 @@ class VerifyRequest:
     # without drafts: plain decoding steps in this one call (vLLM's multi-step scheduling), so
     # the per-call overhead of a remote verifier is paid once per several tokens
     num_steps: int = 1
+    # the verifier gets this many drafts from the drafter itself, from its prefetch where that
+    # drafted from these tokens (draft_token_ids then empty): a round is one call for the driver
+    fetch_k: int = 0
+    feature: Tensor | None = None  # [dim] with fetch_k: what the drafter needs on a prefetch miss
     # after this pass, have the drafter draft this many for the sequence's next round, from the
     # new tokens and feature, while the result travels back (Serve's draft prefetch; 0 = don't)
     prefetch_k: int = 0
@@ -48,3 +52,5 @@ class VerifyResult:
     num_drafted: int  # K of this round
     feature: Tensor | None = None  # [dim] verifier hidden state that predicted the last emitted token
     num_passes: int = 1  # verifier forward passes that produced token_ids (num_steps of the request)
+    draft_s: float = 0.0  # with fetch_k: seconds the verifier waited for the call's drafts (0 if prefetched in time)
+    draft_failed: bool = False  # with fetch_k: the drafter did not answer; verified without drafts

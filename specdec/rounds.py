@@ -60,17 +60,26 @@ class Round:
     def set_proposals(self, idx: list[int], proposals: list[Proposal], seconds: float) -> None:
         for i, p in zip(idx, proposals):
             self.drafts[i] = p
+        self.observe_draft(idx, max((len(p.token_ids) for p in proposals), default=0), seconds)
+
+    def observe_draft(self, idx: list[int], k: int, seconds: float) -> None:
+        """A draft call for batch indices idx, up to k drafts each, took seconds (drafts fetched
+        by the verifier: as long as the round waited for them)."""
         self.t_draft += seconds
         if self.adaptive is not None and all(self.batch[i].metrics.num_drafted for i in idx):
-            self.adaptive.observe_draft(len(idx), max((len(p.token_ids) for p in proposals), default=0), seconds)
+            self.adaptive.observe_draft(len(idx), k, seconds)
 
-    def verify_requests(self, decode_steps: int = 1) -> list[VerifyRequest]:
+    def verify_requests(self, decode_steps: int = 1, fetch: list[int] = ()) -> list[VerifyRequest]:
         """decode_steps > 1: if no sequence has drafts this round, ask for that many plain
-        decoding steps in the one verifier call (each capped by what its sequence may emit)."""
-        if any(d.token_ids for d in self.drafts):
+        decoding steps in the one verifier call (each capped by what its sequence may emit).
+        fetch: batch indices whose drafts the verifier gets from the drafter itself."""
+        if fetch or any(d.token_ids for d in self.drafts):
             decode_steps = 1
-        return [VerifyRequest(s.seq_id, list(s.tokens), d.token_ids, d.probs, s.params, max(1, min(decode_steps, s.room())))
+        reqs = [VerifyRequest(s.seq_id, list(s.tokens), d.token_ids, d.probs, s.params, max(1, min(decode_steps, s.room())))
                 for s, d in zip(self.batch, self.drafts)]
+        for i in fetch:
+            reqs[i].fetch_k, reqs[i].feature = self.ks[i], self.batch[i].feature
+        return reqs
 
     def commit(self, results: list[VerifyResult], verify_seconds: float) -> list[tuple[Sequence, Delta]]:
         if self.adaptive is not None:

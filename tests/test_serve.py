@@ -65,19 +65,23 @@ def test_chat_non_streaming_equals_engine(client, reference):
 
 
 def test_prefetched_drafts_are_used_and_lossless(server, client, reference):
-    """The Verifier has the Drafter draft each next round right after its pass: the round's
-    propose call then takes those drafts, and greedy output is unchanged."""
-    before = server["drafter"].stats.remote().result()
+    """The Verifier gets each round's drafts from the Drafter itself, drafted right after its
+    previous pass: the ingress makes one call per round, and greedy output is unchanged."""
+    before = server["verifier"].stats.remote().result()
     r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40, temperature=0)
     assert r.choices[0].message.content == greedy(reference, CHAT).text
-    after = server["drafter"].stats.remote().result()
+    assert r.usage.model_extra["speculative"]["num_drafted"] > 0
+    after = server["verifier"].stats.remote().result()
     assert after["prefetched"] > before["prefetched"]
     assert after["prefetch_hits"] > before["prefetch_hits"]
+    assert after["draft_failures"] == before["draft_failures"]
 
 
 def test_prefetched_drafts_equal_fresh_ones():
-    """A K-draft from a longer prefetched chain is what drafting K afresh gives: the same tokens
-    and the same q rows, sampled too (the draws come from the round's own generator)."""
+    """What makes taking K drafts from a longer prefetched chain lossless: they are what drafting
+    K afresh gives, the same tokens and the same q rows, sampled too (the draws come from the
+    round's own generator). And a prefetch that reaches the Drafter after its sequence ended
+    drafts nothing (and caches nothing)."""
     import torch
 
     from deployments.replicas import Drafter
@@ -89,15 +93,11 @@ def test_prefetched_drafts_equal_fresh_ones():
     greedy_p = SamplingParams(max_tokens=50)
     req = lambda k, sid="a", p=sampled: ProposeRequest(sid, list(range(5, 25)), k, p)  # noqa: E731
     fresh = d._propose([req(2), req(3, "b", greedy_p)])
-    d._prefetch([req(4), req(3, "b", greedy_p)])
-    got = d._propose([req(2), req(3, "b", greedy_p)])
-    assert d.prefetch_hits == 2
-    assert [p.token_ids for p in got] == [p.token_ids for p in fresh]
-    assert torch.equal(got[0].probs, fresh[0].probs) and got[1].probs is None
-    d._prefetch([req(4)])  # a prefetch for a sequence that ended is dropped, not cached
+    longer = d._propose([req(4), req(5, "b", greedy_p)])
+    assert [p.token_ids[:k] for p, k in zip(longer, (2, 3))] == [p.token_ids for p in fresh]
+    assert torch.equal(longer[0].probs[:2], fresh[0].probs) and longer[1].probs is None
     d.free(["a"])
-    d._prefetch([req(4)])
-    assert not d._ready and d._propose([req(2)])[0].token_ids == fresh[0].token_ids
+    assert d._propose([req(4)])[0].token_ids == [] and "a" not in d.proposer.runner.slots
 
 
 def test_chat_streaming_chunks_and_usage(client, reference):
