@@ -36,6 +36,8 @@ class _Replica:
 
     def __init__(self, num_threads: int = 0):
         self._lock = threading.Lock()
+        # ids freed lately: a draft call that arrives after its sequence ended must not re-cache it
+        self._freed: OrderedDict[str, None] = OrderedDict()
         # Every model call runs on this one thread. OpenMP keeps a thread team per calling
         # thread, and Ray starts a num_cpus=0 actor with OMP_NUM_THREADS=1: a pool of changing
         # threads (asyncio.to_thread) makes new teams with the wrong size. Measured on the
@@ -74,6 +76,11 @@ class _Replica:
 
         return await asyncio.get_running_loop().run_in_executor(self._pool, locked)
 
+    def _forget(self, seq_id: str) -> None:
+        self._freed[seq_id] = None
+        while len(self._freed) > 4096:
+            self._freed.popitem(last=False)
+
     async def _touch_shard(self) -> None:
         shard = serve.get_multiplexed_model_id()
         if shard:
@@ -90,8 +97,6 @@ class Drafter(_Replica):
         self.proposer = self._on_compute(build_proposer, self.args.draft, _engine_config(self.args))
         self.calls = 0
         self.busy_s = 0.0  # time spent proposing
-        # ids freed lately: a prefetch that arrives after its sequence ended must not re-cache it
-        self._freed: OrderedDict[str, None] = OrderedDict()
 
     async def propose(self, requests) -> list[Proposal]:
         await self._touch_shard()
@@ -113,9 +118,7 @@ class Drafter(_Replica):
         with self._lock:
             for s in seq_ids:
                 self.proposer.free(s)
-                self._freed[s] = None
-            while len(self._freed) > 4096:
-                self._freed.popitem(last=False)
+                self._forget(s)
 
     def stats(self) -> dict:
         runner = getattr(self.proposer, "runner", None)
@@ -139,7 +142,6 @@ class Verifier(_Replica):
         self.drafter = drafter
         # seq_id -> (the ProposeRequest drafted ahead, index in its call, task with the call's proposals)
         self._ahead: OrderedDict[str, tuple] = OrderedDict()
-        self._freed: OrderedDict[str, None] = OrderedDict()
         self.prefetched = self.prefetch_hits = self.draft_failures = 0
         self.verifier = self._on_compute(build_verifier, _engine_config(self.args))
         from specdec.models.layouts import describe, maybe_tune
@@ -231,9 +233,7 @@ class Verifier(_Replica):
             for s in seq_ids:
                 self.verifier.free(s)
                 self._ahead.pop(s, None)
-                self._freed[s] = None
-            while len(self._freed) > 4096:
-                self._freed.popitem(last=False)
+                self._forget(s)
 
     def stats(self) -> dict:
         v = self.verifier
