@@ -11,6 +11,7 @@ a recompute, never a token."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import zlib
@@ -64,6 +65,8 @@ class RoundLoop:
         self.rounds = 0
         self.drafter_failures = 0
         self.verifier_failures = 0
+        # the last rounds, for operators and benchmarks: what adaptive K chose and what it cost
+        self.trace: collections.deque[dict] = collections.deque(maxlen=512)
 
     @property
     def in_flight(self) -> int:
@@ -147,6 +150,11 @@ class RoundLoop:
                 self._drafter_backoff = 1.0
         self.observe_call("Verifier", t_verify)
         self.rounds += 1
+        self.trace.append({"ks": list(rnd.ks), "lookup": [int(x) for x in rnd.is_lookup],
+                           "drafted": [r.num_drafted for r in results],
+                           "accepted": [r.num_accepted for r in results], "steps": max(r.num_passes for r in results),
+                           "emitted": [len(r.token_ids) for r in results],
+                           "verify_s": round(t_verify, 4), "draft_s": round(rnd.t_draft, 4)})
         for (seq, delta), e in zip(rnd.commit(results, t_verify), batch):
             if e.aborted:  # aborted while this round was in flight: its calls may have re-cached it
                 self._free(e)

@@ -254,4 +254,5 @@ class OpenAIIngress:
     # -- for tests and operators -------------------------------------------------------------
     async def loop_stats(self) -> dict:
         return {"in_flight": self.loop.in_flight, "rounds": self.loop.rounds,
-                "drafter_failures": self.loop.drafter_failures, "verifier_failures": self.loop.verifier_failures}
+                "drafter_failures": self.loop.drafter_failures, "verifier_failures": self.loop.verifier_failures,
+                "recent_rounds": list(self.loop.trace)}

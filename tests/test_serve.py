@@ -75,6 +75,12 @@ def test_prefetched_drafts_are_used_and_lossless(server, client, reference):
     assert after["prefetched"] > before["prefetched"]
     assert after["prefetch_hits"] > before["prefetch_hits"]
     assert after["draft_failures"] == before["draft_failures"]
+    # the ingress's round trace: what each round drafted, accepted and emitted, and what it cost
+    from ray import serve
+
+    last = serve.get_deployment_handle("OpenAIIngress", "specdec").loop_stats.remote().result()["recent_rounds"][-3:]
+    assert all(r["emitted"] == [a + 1 for a in r["accepted"]] and r["verify_s"] > 0 for r in last if r["steps"] == 1)
+    assert any(r["drafted"][0] > 0 for r in last)
 
 
 def test_prefetched_drafts_equal_fresh_ones():
