@@ -80,6 +80,19 @@ def merge(users: int, spec: bool, reps: list[dict]) -> dict:
             "acceptance_rate": st.mean(r["acceptance_rate"] for r in rs)}
 
 
+def round_summary(rounds: list[dict]) -> dict:
+    """What the ingress's rounds did (its loop_stats trace): how often they drafted, and what a
+    drafting and a plain round cost as the ingress saw them."""
+    spec = [r for r in rounds if any(r["drafted"])]
+    plain = [r for r in rounds if not any(r["drafted"])]
+    ms = lambda xs: 1000 * st.mean(xs) if xs else None  # noqa: E731
+    return {"rounds": len(rounds), "drafting_rounds": len(spec),
+            "tokens_per_drafting_round": st.mean(sum(r["emitted"]) / len(r["emitted"]) for r in spec) if spec else None,
+            "drafting_round_verify_ms": ms([r["verify_s"] for r in spec]),
+            "drafting_round_draft_wait_ms": ms([r["draft_s"] for r in spec]),
+            "plain_round_ms_per_step": ms([r["verify_s"] / r["steps"] for r in plain])}
+
+
 def in_process_engine(args_override):
     import torch
 
@@ -129,20 +142,27 @@ def main() -> int:
     in_process_tps(eng, 0, 16)  # warm-up
     with serve_cluster() as url:
         verifier, _ = run_app("specdec", "/", override)
+        ingress = serve.get_deployment_handle("OpenAIIngress", "specdec")
         asyncio.run(run_level(url, model, 1, 1, 16, True))  # warm-up
         for users in a.users:
             reps = {True: [], False: []}
             sizes = {True: [], False: []}
+            traces = {True: [], False: []}
             for rep in range(a.one_user_reps if users == 1 else a.reps):  # alternate the order so drift favours neither
                 for spec in ((True, False) if rep % 2 == 0 else (False, True)):
                     before = len(verifier.stats.remote().result()["batch_sizes"])
+                    rounds_before = ingress.loop_stats.remote().result()["rounds"]
                     reps[spec].append(asyncio.run(run_level(url, model, users, 1, a.max_tokens, spec, offset=rep * users)))
                     sizes[spec] += verifier.stats.remote().result()["batch_sizes"][before:]
+                    ls = ingress.loop_stats.remote().result()
+                    traces[spec] += ls["recent_rounds"][len(ls["recent_rounds"]) - min(ls["rounds"] - rounds_before,
+                                                                                        len(ls["recent_rounds"])):]
                 if users == 1:
                     engine_runs.append(in_process_tps(eng, rep, a.max_tokens))
             for spec in (True, False):
                 row = merge(users, spec, reps[spec])
                 row["verifier_mean_batch_size"] = st.mean(sizes[spec]) if sizes[spec] else 0.0
+                row["rounds"] = round_summary(traces[spec])
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         serve.delete("specdec")

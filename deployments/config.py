@@ -22,8 +22,8 @@ class AppArgs(BaseModel):
     device: str = Field("cpu", description="Torch device of the model replicas: 'cpu', 'cuda' or 'auto'.")
     dtype: str = Field("float32", description="Weights dtype: 'float32', 'bfloat16' or 'float16'.")
     num_threads: int = Field(0, ge=0, description="torch CPU threads per Verifier replica (0 = torch default).")
-    draft_num_threads: int = Field(1, ge=0, description="torch CPU threads per Drafter replica (0 = torch default); on a CPU shared "
-                                   "with the Verifier keep 1: a 2-thread team spins on after each call, into the next pass.")
+    draft_num_threads: int = Field(1, ge=0, description="torch CPU threads per Drafter replica (0 = torch default); with draft prefetch "
+                                   "the Drafter runs while the Verifier waits for its drafts, so on a CPU they share it may use every core.")
     max_model_len: int = Field(2048, ge=16, description="Context window: prompt + completion tokens.")
     max_seqs: int = Field(32, ge=1, description="KV-cache slots per model replica; least recently used sequences are evicted beyond it.")
     decode_steps: int = Field(4, ge=1, le=32, description="Plain decoding steps per Verifier call in rounds without drafts (multi-step scheduling: one call's overhead per several tokens, at the cost of coarser joins and stream chunks).")

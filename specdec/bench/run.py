@@ -37,7 +37,8 @@ def load_prompts(per_category: int | None) -> list[dict]:
 # -- cost measurements ---------------------------------------------------------------------------
 def verify_cost_curve(runner, ctx_len=200, max_tokens=9, reps=7) -> dict[int, float]:
     """Median ms of one verifier pass over T new tokens after a ctx_len context, T = 1..max."""
-    ctx = list(range(100, 100 + ctx_len))
+    V = runner.model.args.vocab_size  # ids kept in range for small (tiny) vocabularies
+    ctx = [(100 + i) % V for i in range(ctx_len)]
     runner.sync(["__bench"], [ctx], [0])
     runner.prefill(["__bench"], [ctx[:-1]])
     times: dict[int, list[float]] = {t: [] for t in range(1, max_tokens + 1)}
@@ -45,7 +46,7 @@ def verify_cost_curve(runner, ctx_len=200, max_tokens=9, reps=7) -> dict[int, fl
         for t in times:
             runner.sync(["__bench"], [ctx], [t])
             t0 = time.perf_counter()
-            hidden, valid = runner.forward(["__bench"], [ctx[-1:] + list(range(500, 500 + t - 1))])
+            hidden, valid = runner.forward(["__bench"], [ctx[-1:] + [(500 + i) % V for i in range(t - 1)]])
             runner.model.logits(hidden[valid])
             times[t].append(time.perf_counter() - t0)
     runner.free("__bench")
@@ -213,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default=None, help="results file stem under bench/results/")
     ap.add_argument("--out", default=None, help="also write the summary figures to this JSON file")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--verifier", default="default", help="verifier model ('tiny' = random weights, for smoke tests)")
     ap.add_argument("--draft", default="default", help="proposer for the draft rows")
+    ap.add_argument("--results-dir", default="bench/results", help="where <name>.json/.md/.png go")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF rows")
     ap.add_argument("--no-sampled", action="store_true", help="skip the sampled rows")
     a = ap.parse_args(argv)
@@ -230,13 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     per_cat = a.per_category if a.per_category is not None else (1 if a.quick else 2)
     # fixed-K rows measure the draft alone; "adaptive" is the shipped default (adaptive K, prompt
     # lookup first), "adaptive_draft" the same without lookup
-    cfg = EngineConfig(verifier="default", draft=a.draft, max_seqs=4, max_model_len=2048, lookup_min_n=0)
+    cfg = EngineConfig(verifier=a.verifier, draft=a.draft, max_seqs=4, max_model_len=2048, lookup_min_n=0)
     base = SpecEngine.from_config(cfg)
     adaptive, adaptive_draft = (
         SpecEngine(base.verifier, base.proposers[base.default_proposer], base.tokenizer,
                    EngineConfig(num_speculative_tokens=8, adaptive=True, lookup_min_n=n), {"ngram": NgramProposer()})
         for n in (EngineConfig.lookup_min_n, 0))
-    hf = None if a.no_hf else AutoModelForCausalLM.from_pretrained(model_dir("default"), dtype=torch.float32).eval()
+    hf = None if a.no_hf or model_dir(a.verifier) is None else AutoModelForCausalLM.from_pretrained(model_dir(a.verifier), dtype=torch.float32).eval()
     rows = Rows(base, {"adaptive": adaptive, "adaptive_draft": adaptive_draft}, hf, base.tokenizer, max_tokens)
     prompts = load_prompts(per_cat or None)
     ids = [base.tokenizer.chat(p["messages"]) for p in prompts]
@@ -270,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  prompt {i + 1}/{len(prompts)} ({p['category']}) done, {time.time() - t_start:.0f}s", flush=True)
 
     out = {"config": {"max_tokens": max_tokens, "prompts": len(prompts), "threads": a.threads, "quick": a.quick,
-                      "draft": a.draft, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M")},
+                      "verifier": a.verifier, "draft": a.draft, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M")},
            "verify_cost_ms": curve, "draft_step_ms": c_ms, "draft_cost_ratio_c": c_ms / curve[1]}
     for mode in ("greedy", "sampled"):
         if results[mode]:
@@ -287,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     out["summary"] = summary(out)
     out["config"]["wall_s"] = time.time() - t_begin  # the whole run, model loading included
     name = a.name or ("quick" if a.quick else "default")
-    res_dir = Path("bench/results")
+    res_dir = Path(a.results_dir)
     res_dir.mkdir(parents=True, exist_ok=True)
     (res_dir / f"{name}.json").write_text(json.dumps(out, indent=1, default=float))
     md = [f"## Greedy ({len(prompts)} prompts, {max_tokens} new tokens, {a.threads} threads)", markdown(out["greedy"])]
