@@ -155,8 +155,8 @@ def main() -> int:
                     reps[spec].append(asyncio.run(run_level(url, model, users, 1, a.max_tokens, spec, offset=rep * users)))
                     sizes[spec] += verifier.stats.remote().result()["batch_sizes"][before:]
                     ls = ingress.loop_stats.remote().result()
-                    traces[spec] += ls["recent_rounds"][len(ls["recent_rounds"]) - min(ls["rounds"] - rounds_before,
-                                                                                        len(ls["recent_rounds"])):]
+                    new = ls["rounds"] - rounds_before  # this rep's rounds (at most the trace's length)
+                    traces[spec] += ls["recent_rounds"][-new:] if new else []
                 if users == 1:
                     engine_runs.append(in_process_tps(eng, rep, a.max_tokens))
             for spec in (True, False):

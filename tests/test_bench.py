@@ -2,7 +2,17 @@
 file is written and the summary has the figures the README quotes."""
 import json
 
+import pytest
+import torch
+
 from specdec.bench.run import main
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads():
+    n = torch.get_num_threads()  # the bench sets its own thread count; later tests keep theirs
+    yield
+    torch.set_num_threads(n)
 
 SUMMARY_KEYS = {"greedy_speedup_vs_k0", "sampled_speedup_vs_k0", "speedup_vs_hf_assisted", "speedup_vs_hf_plain",
                 "acceptance_rate_k4", "best_k", "draft_cost_ratio_c", "verify_cost_ratio_5_vs_1", "realized_vs_predicted"}

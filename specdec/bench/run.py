@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         SpecEngine(base.verifier, base.proposers[base.default_proposer], base.tokenizer,
                    EngineConfig(num_speculative_tokens=8, adaptive=True, lookup_min_n=n), {"ngram": NgramProposer()})
         for n in (EngineConfig.lookup_min_n, 0))
-    hf = None if a.no_hf or model_dir(a.verifier) is None else AutoModelForCausalLM.from_pretrained(model_dir(a.verifier), dtype=torch.float32).eval()
+    hf_dir = None if a.no_hf else model_dir(a.verifier)  # None for tiny models: HF has no copy of them
+    hf = None if hf_dir is None else AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     rows = Rows(base, {"adaptive": adaptive, "adaptive_draft": adaptive_draft}, hf, base.tokenizer, max_tokens)
     prompts = load_prompts(per_cat or None)
     ids = [base.tokenizer.chat(p["messages"]) for p in prompts]
