@@ -165,6 +165,8 @@ def main() -> int:
                 row["rounds"] = round_summary(traces[spec])
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+        vstats = verifier.stats.remote().result()
+        prefix_cache = {k: vstats.get(k) for k in ("prefix_hits", "prefix_tokens_reused")}
         serve.delete("specdec")
     engine_tps = st.median(engine_runs) if engine_runs else in_process_tps(eng, 0, a.max_tokens)
     by = {(r["users"], r["speculation"]): r for r in rows}
@@ -175,7 +177,8 @@ def main() -> int:
     summary = {"in_process_engine_tokens_per_s_1_user": engine_tps,
                "serve_vs_in_process_1_user": st.median(paired) if paired else None,
                "serve_vs_in_process_1_user_per_question": paired,
-               "serve_vs_in_process_1_user_of_medians": one / engine_tps if one else None}
+               "serve_vs_in_process_1_user_of_medians": one / engine_tps if one else None,
+               "verifier_prefix_cache": prefix_cache}
     if (16, True) in by and one:
         summary["aggregate_16_vs_1_user"] = by[(16, True)]["aggregate_tokens_per_s"] / one
         summary["spec_vs_k0_at_16_users"] = by[(16, True)]["aggregate_tokens_per_s"] / by[(16, False)]["aggregate_tokens_per_s"]

@@ -26,6 +26,7 @@ class AppArgs(BaseModel):
                                    "the Drafter runs while the Verifier waits for its drafts, so on a CPU they share it may use every core.")
     max_model_len: int = Field(2048, ge=16, description="Context window: prompt + completion tokens.")
     max_seqs: int = Field(32, ge=1, description="KV-cache slots per model replica; least recently used sequences are evicted beyond it.")
+    prefix_caching: bool = Field(True, description="A new sequence starts from the longest prefix it shares with a cached one (a freed slot's, or a live one's, copied): the chat template's system prompt and a chat's history are not recomputed.")
     decode_steps: int = Field(4, ge=1, le=32, description="Plain decoding steps per Verifier call in rounds without drafts (multi-step scheduling: one call's overhead per several tokens, at the cost of coarser joins and stream chunks).")
     max_batch_size: int = Field(16, ge=1, description="Sequences per verifier pass.")
     max_queue: int = Field(64, ge=1, description="Requests in flight per ingress replica before new ones get 429.")

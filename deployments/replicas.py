@@ -27,7 +27,8 @@ def _engine_config(args: AppArgs):
     from specdec.config import EngineConfig
 
     return EngineConfig(verifier=args.verifier, draft=args.draft, device=args.device, dtype=args.dtype,
-                        max_seqs=args.max_seqs, max_model_len=args.max_model_len, progress=False)
+                        max_seqs=args.max_seqs, max_model_len=args.max_model_len, prefix_caching=args.prefix_caching,
+                        progress=False)
 
 
 class _Replica:
@@ -239,4 +240,5 @@ class Verifier(_Replica):
         v = self.verifier
         return {**self.where(), "passes": v.passes, "batch_sizes": list(v.batch_sizes), "busy_s": v.busy_s,
                 "resident_sequences": sorted(v.runner.slots), "evictions": v.runner.evictions, "layouts": self.layouts,
+                "prefix_hits": v.runner.prefix_hits, "prefix_tokens_reused": v.runner.prefix_tokens_reused,
                 "prefetched": self.prefetched, "prefetch_hits": self.prefetch_hits, "draft_failures": self.draft_failures}

@@ -14,6 +14,7 @@ class EngineConfig:
     dtype: str = "float32"  # 'float32', 'bfloat16' or 'float16'
     max_seqs: int = 16  # KV cache slots per model (sequences resident at once)
     max_model_len: int = 2048  # context window: prompt + output tokens
+    prefix_caching: bool = True  # new sequences start from the longest cached prefix (freed or live slots)
     max_batch_size: int = 16  # sequences per verifier pass
     num_threads: int = 0  # torch CPU threads; 0 = leave torch's default
     ngram_max: int = 4  # longest suffix the n-gram proposer matches

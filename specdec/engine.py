@@ -50,7 +50,7 @@ def build_proposer(spec: str, cfg: EngineConfig, verifier_model=None) -> Propose
         verifier_model = verifier_model or load_model(cfg.verifier, cfg.device, cfg.dtype, cfg.progress)
         return FeatureHeadProposer.from_pretrained(None if spec == "default" else spec, verifier_model)
     model = load_model(spec, cfg.device, cfg.dtype, cfg.progress)
-    return DraftModelProposer(ModelRunner(model, cfg.max_seqs, cfg.max_model_len))
+    return DraftModelProposer(ModelRunner(model, cfg.max_seqs, cfg.max_model_len, prefix_caching=cfg.prefix_caching))
 
 
 def is_head_dir(spec: str) -> bool:
@@ -65,7 +65,7 @@ def build_verifier(cfg: EngineConfig) -> Verifier:
     from specdec.models.loader import load_model
 
     return Verifier(ModelRunner(load_model(cfg.verifier, cfg.device, cfg.dtype, cfg.progress), cfg.max_seqs,
-                                cfg.max_model_len))
+                                cfg.max_model_len, prefix_caching=cfg.prefix_caching))
 
 
 class SpecEngine:

@@ -22,7 +22,8 @@ def tiny_tok():
     return TextTokenizer(tiny_tokenizer())
 
 
-def make_engine(target, draft=None, k=4, tok=None, max_seqs=16, max_len=512, max_batch=16, proposer=None):
+def make_engine(target, draft=None, k=4, tok=None, max_seqs=16, max_len=512, max_batch=16, proposer=None,
+                prefix_caching=True):
     from specdec.config import EngineConfig
     from specdec.engine import SpecEngine
     from specdec.models.runner import ModelRunner
@@ -30,9 +31,9 @@ def make_engine(target, draft=None, k=4, tok=None, max_seqs=16, max_len=512, max
     from specdec.verifier import Verifier
 
     if proposer is None and draft is not None:
-        proposer = DraftModelProposer(ModelRunner(draft, max_seqs, max_len))
+        proposer = DraftModelProposer(ModelRunner(draft, max_seqs, max_len, prefix_caching=prefix_caching))
     cfg = EngineConfig(num_speculative_tokens=k, max_batch_size=max_batch)
-    return SpecEngine(Verifier(ModelRunner(target, max_seqs, max_len)), proposer, tok, cfg)
+    return SpecEngine(Verifier(ModelRunner(target, max_seqs, max_len, prefix_caching=prefix_caching)), proposer, tok, cfg)
 
 
 def ragged_prompts(n=8, seed=0, vocab=256):

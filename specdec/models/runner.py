@@ -7,12 +7,19 @@ the slot holds and (re)computes the rest. That one rule gives
 - rollback of rejected drafts for free (they fall outside the common prefix and get overwritten),
 - rebuild after eviction or a replica restart (nothing is cached, so everything is recomputed),
 - idempotent retries (the same request twice computes the same thing).
+
+Prefix caching (vLLM's automatic prefix caching, at slot granularity): a freed slot keeps its
+tokens and K/V until the slot is reused, and a new sequence starts from the slot, live or freed,
+that shares the longest prefix with it: a freed one is taken over in place, a live one's K/V rows
+are copied. K/V at a position depend only on the tokens up to it, so this is the same computation;
+every chat request shares the chat template's system prompt, and a multi-turn chat its history.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,8 +37,10 @@ class Slot:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, max_seqs: int = 8, max_len: int = 2048, prefill_chunk: int = 512):
+    def __init__(self, model: Transformer, max_seqs: int = 8, max_len: int = 2048, prefill_chunk: int = 512,
+                 prefix_caching: bool = True):
         self.model = model
+        self.prefix_caching = prefix_caching
         a = model.args
         self.max_seqs = max_seqs
         self.max_len = min(max_len, a.max_position)
@@ -45,17 +54,22 @@ class ModelRunner:
             for _ in range(a.n_layers)
         ]
         self.slots: OrderedDict[str, Slot] = OrderedDict()  # LRU order: oldest first
-        self.free_slots = list(range(max_seqs - 1, -1, -1))
+        self.free_slots = list(range(max_seqs - 1, -1, -1))  # in the order freed (never-used ones first)
+        self.cached: dict[int, list[int]] = {}  # free slot index -> tokens its K/V rows still hold
         self.evictions = 0
+        self.prefix_hits = 0  # new sequences that started from a cached prefix
+        self.prefix_tokens_reused = 0  # prompt tokens not recomputed thanks to them
 
     # -- bookkeeping -------------------------------------------------------------------------
     def free(self, seq_id: str) -> bool:
         slot = self.slots.pop(seq_id, None)
         if slot is not None:
             self.free_slots.append(slot.index)
+            if self.prefix_caching:
+                self.cached[slot.index] = slot.tokens
         return slot is not None
 
-    def _slot(self, seq_id: str, pinned: set[str]) -> Slot:
+    def _slot(self, seq_id: str, pinned: set[str], toks: list[int], reuse: bool) -> Slot:
         slot = self.slots.get(seq_id)
         if slot is None:
             if not self.free_slots:  # evict the least recently used sequence not in this batch
@@ -64,23 +78,55 @@ class ModelRunner:
                     raise RuntimeError(f"batch of {len(pinned)} sequences exceeds max_seqs={self.max_seqs}")
                 self.free(victim)
                 self.evictions += 1
-            slot = Slot(self.free_slots.pop())
+            slot = self._new_slot(toks) if reuse and self.prefix_caching else Slot(self.free_slots.pop())
+            self.cached.pop(slot.index, None)
             self.slots[seq_id] = slot
         self.slots.move_to_end(seq_id)
         return slot
 
-    def sync(self, seq_ids: list[str], token_lists: list[list[int]], extra: list[int]) -> list[list[int]]:
+    def _new_slot(self, toks: list[int]) -> Slot:
+        """A free slot for a new sequence, holding the longest cached prefix of `toks` there is."""
+        limit = len(toks) - 1  # the last token is always fed again
+        best_free, n_free = None, 0
+        for i in reversed(self.free_slots):
+            n = min(_common_prefix(self.cached.get(i, []), toks), limit)
+            if n > n_free:
+                best_free, n_free = i, n
+        src, n_live = None, n_free
+        for s in self.slots.values():
+            n = min(_common_prefix(s.tokens, toks), limit)
+            if n > n_live:
+                src, n_live = s, n
+        if n_free == 0:  # no prefix to take over: a never-used slot, else the longest-freed one
+            unused = [i for i in self.free_slots if not self.cached.get(i)]
+            best_free = unused[-1] if unused else self.free_slots[0]
+        self.free_slots.remove(best_free)
+        slot = Slot(best_free, self.cached.get(best_free, [])[:n_free])
+        if src is not None:  # a live sequence shares more: copy its K/V rows
+            for kc, vc in self.caches:
+                kc[best_free, :, :n_live] = kc[src.index, :, :n_live]
+                vc[best_free, :, :n_live] = vc[src.index, :, :n_live]
+            slot.tokens = toks[:n_live]
+        if slot.tokens:
+            self.prefix_hits += 1
+            self.prefix_tokens_reused += len(slot.tokens)
+        return slot
+
+    def sync(self, seq_ids: list[str], token_lists: list[list[int]], extra: list[int],
+             pinned: set[str] | None = None, reuse_prefix: bool = False) -> list[list[int]]:
         """Align each slot with its sequence and return the tokens still to be fed. At least the
         last token is always pending, so the next forward yields the logits after it. `extra`
-        is how many more positions the caller will write (drafts); we check the fit here."""
-        pinned = set(seq_ids)
+        is how many more positions the caller will write (drafts); we check the fit here.
+        With `reuse_prefix`, a new sequence may start from another slot's cached prefix
+        (callers that feed the whole sequence after a sync leave it off)."""
+        pinned = pinned or set(seq_ids)
         pending = []
         for sid, toks, n_extra in zip(seq_ids, token_lists, extra):
             if len(toks) + n_extra > self.max_len:
                 raise ContextLengthError(f"sequence of {len(toks) + n_extra} tokens exceeds the context of {self.max_len}")
             if not toks:
                 raise ValueError("empty token list")
-            slot = self._slot(sid, pinned)
+            slot = self._slot(sid, pinned, toks, reuse_prefix)
             n = _common_prefix(slot.tokens, toks)
             n = min(n, len(toks) - 1)
             del slot.tokens[n:]
@@ -105,11 +151,25 @@ class ModelRunner:
         return hidden, batch.valid
 
     def prefill(self, seq_ids: list[str], inputs: list[list[int]]) -> None:
-        """Feed long inputs whose logits nobody needs, one sequence and chunk at a time so that a
-        long prompt is not padded against short ones."""
-        for sid, x in zip(seq_ids, inputs):
-            for i in range(0, len(x), self.prefill_chunk):
-                self.forward([sid], [x[i : i + self.prefill_chunk]])
+        """Feed inputs whose logits nobody needs. Inputs of similar length share one padded
+        forward (on a CPU a pass over a few rows costs little more than over one: the weights
+        are read once), up to prefill_chunk rows; a long one goes alone, a chunk at a time."""
+        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
+        groups: list[list[int]] = []
+        for i in order:
+            g = groups[-1] if groups else None
+            n = len(inputs[i])
+            if g and n <= 1.25 * len(inputs[g[0]]) + 8 and n * (len(g) + 1) <= self.prefill_chunk:
+                g.append(i)
+            else:
+                groups.append([i])
+        for g in groups:
+            if len(g) > 1:
+                self.forward([seq_ids[i] for i in g], [inputs[i] for i in g])
+                continue
+            x = inputs[g[0]]
+            for j in range(0, len(x), self.prefill_chunk):
+                self.forward([seq_ids[g[0]]], [x[j : j + self.prefill_chunk]])
 
     def last_logits(self, seq_ids: list[str], inputs: list[list[int]]) -> Tensor:
         """Feed inputs and return the logits after each sequence's last input token: [B, V]."""
@@ -118,18 +178,34 @@ class ModelRunner:
         return self.model.logits(hidden[torch.arange(len(inputs), device=hidden.device), last])
 
     def catch_up(self, seq_ids: list[str], token_lists: list[list[int]], extra: list[int]) -> list[int]:
-        """sync + prefill everything but each sequence's last pending token, which is returned."""
-        pending = self.sync(seq_ids, token_lists, extra)
-        long = [(s, p[:-1]) for s, p in zip(seq_ids, pending) if len(p) > 1]
-        if long:
-            self.prefill([s for s, _ in long], [p for _, p in long])
-        return [p[-1] for p in pending]
+        """sync + prefill everything but each sequence's last pending token, which is returned.
+        New sequences of one batch (users who arrived together, with one system prompt) share
+        prefixes too: a sequence that shares more with one still waiting to be prefilled has
+        those prefilled first and then copies from them; the rest are prefilled together."""
+        pinned, last = set(seq_ids), []
+        queued: list[tuple[str, list[int], list[int]]] = []  # (seq id, tokens, pending to prefill)
+        for sid, toks, n_extra in zip(seq_ids, token_lists, extra):
+            [p] = self.sync([sid], [toks], [n_extra], pinned, reuse_prefix=True)
+            have = len(toks) - len(p)
+            if len(p) > 1 and any(_common_prefix(t[:-1], toks) > have for _, t, _ in queued):
+                self.prefill([q[0] for q in queued], [q[2] for q in queued])
+                queued = []
+                self.free(sid)  # and start again from the prefix just computed
+                [p] = self.sync([sid], [toks], [n_extra], pinned, reuse_prefix=True)
+            if len(p) > 1:
+                queued.append((sid, toks, p[:-1]))
+            last.append(p[-1])
+        if queued:
+            self.prefill([q[0] for q in queued], [q[2] for q in queued])
+        return last
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:  # the usual case: one C-level comparison
         return n
+    if n > 64:  # prefix-cache lookups compare whole prompts: vectorise
+        return int(np.argmax(np.asarray(a[:n]) != np.asarray(b[:n])))
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
