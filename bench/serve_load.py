@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics as st
@@ -31,8 +32,18 @@ QUESTIONS = ["Explain how vaccines train the immune system.", "Write a Python fu
              "Summarize the plot of a heist movie in four sentences.", "How does a bicycle stay upright?"]
 
 
+_asked = itertools.count()
+
+
+def ask(i: int) -> str:
+    """Question i, tagged so that no two requests of the run are the same: the replicas' prefix
+    cache then reuses what real traffic shares (the chat template's system prompt), never a
+    whole repeated prompt."""
+    return f"(#{next(_asked)}) {QUESTIONS[i % len(QUESTIONS)]}"
+
+
 async def one_request(client, url, model, i, max_tokens, spec: bool) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+    body = {"model": model, "messages": [{"role": "user", "content": ask(i)}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": True}
     if not spec:
@@ -108,7 +119,7 @@ def in_process_engine(args_override):
 def in_process_tps(eng, i: int, max_tokens: int) -> float:
     from specdec.sampling import SamplingParams
 
-    msgs = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+    msgs = [{"role": "user", "content": ask(i)}]
     c = eng.generate([msgs], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
     return len(c.token_ids) / c.metrics.latency_s
 

@@ -233,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     per_cat = a.per_category if a.per_category is not None else (1 if a.quick else 2)
     # fixed-K rows measure the draft alone; "adaptive" is the shipped default (adaptive K, prompt
     # lookup first), "adaptive_draft" the same without lookup
-    cfg = EngineConfig(verifier=a.verifier, draft=a.draft, max_seqs=4, max_model_len=2048, lookup_min_n=0)
+    # prefix caching off: every row runs the same prompts, so a cache would hand all but the first
+    # row its prompt for free (HF's rows get no such help); bench/prefix_cache.py measures it
+    cfg = EngineConfig(verifier=a.verifier, draft=a.draft, max_seqs=4, max_model_len=2048, lookup_min_n=0,
+                       prefix_caching=False)
     base = SpecEngine.from_config(cfg)
     adaptive, adaptive_draft = (
         SpecEngine(base.verifier, base.proposers[base.default_proposer], base.tokenizer,
