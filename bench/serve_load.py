@@ -101,7 +101,12 @@ def round_summary(rounds: list[dict]) -> dict:
             "tokens_per_drafting_round": st.mean(sum(r["emitted"]) / len(r["emitted"]) for r in spec) if spec else None,
             "drafting_round_verify_ms": ms([r["verify_s"] for r in spec]),
             "drafting_round_draft_wait_ms": ms([r["draft_s"] for r in spec]),
-            "plain_round_ms_per_step": ms([r["verify_s"] / r["steps"] for r in plain])}
+            "plain_round_ms_per_step": ms([r["verify_s"] / r["steps"] for r in plain]),
+            # who drafted: prompt lookup (free, no Drafter call) or the draft model, and how much
+            "lookup_drafted": sum(d for r in spec for d, lk in zip(r["drafted"], r["lookup"]) if lk),
+            "model_drafted": sum(d for r in spec for d, lk in zip(r["drafted"], r["lookup"]) if not lk),
+            "accepted": sum(sum(r["accepted"]) for r in spec),
+            "sequences_drafting_per_drafting_round": st.mean(sum(d > 0 for d in r["drafted"]) for r in spec) if spec else None}
 
 
 def in_process_engine(args_override):

@@ -187,7 +187,7 @@ class ModelRunner:
         for sid, toks, n_extra in zip(seq_ids, token_lists, extra):
             [p] = self.sync([sid], [toks], [n_extra], pinned, reuse_prefix=True)
             have = len(toks) - len(p)
-            if len(p) > 1 and any(_common_prefix(t[:-1], toks) > have for _, t, _ in queued):
+            if self.prefix_caching and len(p) > 1 and any(_common_prefix(t[:-1], toks) > have for _, t, _ in queued):
                 self.prefill([q[0] for q in queued], [q[2] for q in queued])
                 queued = []
                 self.free(sid)  # and start again from the prefix just computed
