@@ -16,7 +16,14 @@ of either kind, is made only when it would pay were the drafts accepted at a hig
 batch big enough to make the pass compute-bound it cannot, and waits for the load to fall. Drafts
 copied by prompt lookup are free to make and accepted very unevenly (near 1 in an extractive
 answer, near 0 elsewhere), so they have their own acceptance model and their own K, chosen
-together with the model's K because both share the verifier pass."""
+together with the model's K because both share the verifier pass.
+
+Where rounds without drafts run several decoding steps per verifier call (Serve's multi-step
+scheduling), a plain pass costs its share of a call and a speculative round a whole call: the
+per-call overhead (remote call, batch set-up, results) is spread over the steps of one and paid
+in full by the other. So the passes of multi-step calls are costed apart from the curves, which
+learn from one-pass calls only; mixed, they made a one-pass call just above the batch's plain
+size look as cheap as a share of a multi-step one, and cheap lookup drafts in a big batch lost."""
 from __future__ import annotations
 
 import functools
@@ -150,6 +157,9 @@ class AdaptiveK:
     # one cost curve per batch size: the same tokens cost more spread over more sequences
     # (padding, masks), so a curve learned at 1 user would mislead at 4
     _verify_by_batch: dict[int, CostCurve] = field(default_factory=dict)
+    # per batch size: seconds per pass of a multi-step plain call, an EMA (the curves above learn
+    # from one-pass calls only: a speculative round is one pass, and pays a whole call)
+    _multi_step_pass: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self):
         acc = lambda: Acceptance(self.k_max, self.prior_acceptance, self.prior_weight, self.ema_decay)  # noqa: E731
@@ -196,6 +206,8 @@ class AdaptiveK:
             tokens = sum(e[ki] for e, ki in zip(gain_rows, ks))
             k_model = max((ki for ki, m in zip(ks, lk) if not m), default=0)
             n_drafting = sum(1 for ki, m in zip(ks, lk) if ki and not m)
+            if not any(ks) and B in self._multi_step_pass:
+                return tokens / self._multi_step_pass[B]
             t = self.verify_cost(B, sum(ks) + B) + (self.draft_cost(k_model * n_drafting) if k_model else 0.0)
             return tokens / t
 
@@ -225,8 +237,12 @@ class AdaptiveK:
             self._probe_wait = 0 if best > 0 else min(2 * (self._probe_wait or self.probe_every), self.max_probe_every)
         self._probing = False
         if best == 0 and new and self.first_probe_k and any(n and b and not m for n, b, m in zip(new, caps, lk)):
-            # a request's own probe: its prompt may accept far above the average
-            probed = [bool(n and c and not m) for n, c, m in zip(new, caps, lk)]
+            # a request's own probe: its prompt may accept far above the average. One request a
+            # round: users who arrive together would otherwise all be probed in one round, whose
+            # optimistic gain (every one of them accepting at probe_optimism) pays for a pass
+            # over all their drafts that, at their real acceptance, holds the whole batch up
+            first = next(i for i, (n, c, m) in enumerate(zip(new, caps, lk)) if n and c and not m)
+            probed = [i == first for i in range(B)]
             ks = [min(self.first_probe_k, c) if p else ki for p, c, ki in zip(probed, caps, ks_for(0, best_l))]
             if probe_pays(probed):
                 return ks
@@ -246,7 +262,12 @@ class AdaptiveK:
         self.model.observe([x for x, m in zip(drafted_accepted, looked_up) if not m])
         self.lookup.observe([x for x, m in zip(drafted_accepted, looked_up) if m])
 
-    def observe_verify(self, batch: int, tokens_in_pass: int, seconds: float) -> None:
+    def observe_verify(self, batch: int, tokens_in_pass: int, seconds: float, steps: int = 1) -> None:
+        """seconds per pass of a call that made `steps` passes (steps > 1: plain decoding steps)."""
+        if steps > 1:
+            old = self._multi_step_pass.get(batch)
+            self._multi_step_pass[batch] = seconds if old is None else old + 0.3 * (seconds - old)
+            return
         if batch not in self._verify_by_batch:
             self._verify_by_batch[batch] = CostCurve(*self.verify_prior)
         self._verify_by_batch[batch].observe(tokens_in_pass, seconds)

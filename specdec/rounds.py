@@ -84,9 +84,9 @@ class Round:
     def commit(self, results: list[VerifyResult], verify_seconds: float) -> list[tuple[Sequence, Delta]]:
         if self.adaptive is not None:
             if not self.prefill_verify:
-                # a multi-step call is observed as that many passes of its one-step cost
+                # a multi-step call is observed per pass, and apart from one-pass calls
                 n = max(r.num_passes for r in results)
-                self.adaptive.observe_verify(len(results), sum(r.num_drafted + 1 for r in results), verify_seconds / n)
+                self.adaptive.observe_verify(len(results), sum(r.num_drafted + 1 for r in results), verify_seconds / n, n)
             self.adaptive.observe_round([(r.num_drafted, r.num_accepted) for r in results], self.is_lookup)
         return [(s, s.commit(r, m)) for s, r, m in zip(self.batch, results, self.is_lookup)]
 
