@@ -107,9 +107,6 @@ class ModelRunner:
                 kc[best_free, :, :n_live] = kc[src.index, :, :n_live]
                 vc[best_free, :, :n_live] = vc[src.index, :, :n_live]
             slot.tokens = toks[:n_live]
-        if slot.tokens:
-            self.prefix_hits += 1
-            self.prefix_tokens_reused += len(slot.tokens)
         return slot
 
     def sync(self, seq_ids: list[str], token_lists: list[list[int]], extra: list[int],
@@ -185,6 +182,7 @@ class ModelRunner:
         pinned, last = set(seq_ids), []
         queued: list[tuple[str, list[int], list[int]]] = []  # (seq id, tokens, pending to prefill)
         for sid, toks, n_extra in zip(seq_ids, token_lists, extra):
+            new = sid not in self.slots
             [p] = self.sync([sid], [toks], [n_extra], pinned, reuse_prefix=True)
             have = len(toks) - len(p)
             if self.prefix_caching and len(p) > 1 and any(_common_prefix(t[:-1], toks) > have for _, t, _ in queued):
@@ -192,6 +190,10 @@ class ModelRunner:
                 queued = []
                 self.free(sid)  # and start again from the prefix just computed
                 [p] = self.sync([sid], [toks], [n_extra], pinned, reuse_prefix=True)
+                have = len(toks) - len(p)
+            if new and have and self.prefix_caching:
+                self.prefix_hits += 1
+                self.prefix_tokens_reused += have
             if len(p) > 1:
                 queued.append((sid, toks, p[:-1]))
             last.append(p[-1])
