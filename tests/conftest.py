@@ -36,6 +36,25 @@ def make_engine(target, draft=None, k=4, tok=None, max_seqs=16, max_len=512, max
     return SpecEngine(Verifier(ModelRunner(target, max_seqs, max_len, prefix_caching=prefix_caching)), proposer, tok, cfg)
 
 
+def assert_cache_equals_fresh_recompute(runner, seqs, model) -> list[int]:
+    """Each sequence's K/V rows in runner, for the prefix of its tokens the slot holds, equal a
+    fresh runner's computing that prefix from scratch. Returns the prefix lengths."""
+    from specdec.models.runner import ModelRunner, _common_prefix
+
+    fresh, held = ModelRunner(model, len(seqs) + 1, runner.max_len, prefix_caching=False), []
+    for s in seqs:
+        slot = runner.slots[s.seq_id]
+        n = _common_prefix(slot.tokens, s.tokens)  # what the cache holds of the sequence
+        fresh.sync([s.seq_id], [s.tokens[:n] + [0]], [0])
+        fresh.forward([s.seq_id], [s.tokens[:n]])
+        f = fresh.slots[s.seq_id]
+        for (kc, vc), (fk, fv) in zip(runner.caches, fresh.caches):
+            torch.testing.assert_close(kc[slot.index, :, :n], fk[f.index, :, :n], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(vc[slot.index, :, :n], fv[f.index, :, :n], atol=1e-5, rtol=1e-4)
+        held.append(n)
+    return held
+
+
 def ragged_prompts(n=8, seed=0, vocab=256):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (3 + 5 * i,), generator=g).tolist() for i in range(n)]

@@ -2,8 +2,8 @@
 which changes the work done and nothing else."""
 import torch
 
-from conftest import make_engine
-from specdec.models.runner import ModelRunner, _common_prefix
+from conftest import assert_cache_equals_fresh_recompute, make_engine
+from specdec.models.runner import ModelRunner
 from specdec.models.tiny import noisy_copy
 from specdec.sampling import SamplingParams
 
@@ -50,18 +50,8 @@ def test_prefix_copied_from_a_live_sequence_equals_fresh_recompute(tiny_target):
     seqs = [eng.add_request(p, GREEDY) for p in prompts]
     for _ in range(3):
         eng.step()
-    runner = eng.verifier.runner
-    assert runner.prefix_hits == 2
-    fresh = ModelRunner(tiny_target, 4, 512, prefix_caching=False)
-    for s in seqs:
-        slot = runner.slots[s.seq_id]
-        n = _common_prefix(slot.tokens, s.tokens)
-        fresh.sync([s.seq_id], [s.tokens[:n] + [0]], [0])
-        fresh.forward([s.seq_id], [s.tokens[:n]])
-        f = fresh.slots[s.seq_id]
-        for (kc, vc), (fk, fv) in zip(runner.caches, fresh.caches):
-            torch.testing.assert_close(kc[slot.index, :, :n], fk[f.index, :, :n], atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(vc[slot.index, :, :n], fv[f.index, :, :n], atol=1e-5, rtol=1e-4)
+    assert eng.verifier.runner.prefix_hits == 2
+    assert_cache_equals_fresh_recompute(eng.verifier.runner, seqs, tiny_target)
     while eng.active:
         eng.step()
     ref = make_engine(tiny_target, k=0, prefix_caching=False).generate(prompts, GREEDY)
