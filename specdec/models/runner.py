@@ -181,13 +181,17 @@ class ModelRunner:
         those prefilled first and then copies from them; the rest are prefilled together."""
         pinned, last = set(seq_ids), []
         queued: list[tuple[str, list[int], list[int]]] = []  # (seq id, tokens, pending to prefill)
+
+        def flush() -> None:
+            self.prefill([q[0] for q in queued], [q[2] for q in queued])
+            queued.clear()
+
         for sid, toks, n_extra in zip(seq_ids, token_lists, extra):
             new = sid not in self.slots
             [p] = self.sync([sid], [toks], [n_extra], pinned, reuse_prefix=True)
             have = len(toks) - len(p)
             if self.prefix_caching and len(p) > 1 and any(_common_prefix(t[:-1], toks) > have for _, t, _ in queued):
-                self.prefill([q[0] for q in queued], [q[2] for q in queued])
-                queued = []
+                flush()
                 self.free(sid)  # and start again from the prefix just computed
                 [p] = self.sync([sid], [toks], [n_extra], pinned, reuse_prefix=True)
                 have = len(toks) - len(p)
@@ -197,8 +201,7 @@ class ModelRunner:
             if len(p) > 1:
                 queued.append((sid, toks, p[:-1]))
             last.append(p[-1])
-        if queued:
-            self.prefill([q[0] for q in queued], [q[2] for q in queued])
+        flush()
         return last
 
 
