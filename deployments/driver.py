@@ -41,7 +41,7 @@ class Entry:
 class RoundLoop:
     def __init__(self, drafter, verifier, max_batch_size: int, num_shards: int = 1, adaptive: AdaptiveK | None = None,
                  verify_retry_s: float = 30.0, drafter_timeout_s: float = 5.0, decode_steps: int = 1,
-                 lookup_min_n: int = 0, observe_call=None, prefetch: bool = False):
+                 lookup_min_n: int = 0, observe_call=None, prefetch: bool = False, decode_ahead: bool = False):
         self.drafter, self.verifier = drafter, verifier
         self.max_batch_size, self.num_shards = max_batch_size, num_shards
         self.adaptive = adaptive
@@ -51,6 +51,8 @@ class RoundLoop:
         # the Verifier gets the Drafter's drafts (one call per round) and has the next round's
         # drafted right after its pass
         self.prefetch = prefetch
+        # the Verifier decodes a plain sequence's next steps while its result travels back here
+        self.decode_ahead = decode_ahead
         self.observe_call = observe_call or (lambda deployment, seconds: None)  # (name, s) per remote call
         self._drafter_down_until = 0.0  # after a failure, rounds skip the drafter (K=0) until then
         self._drafter_backoff = 1.0
@@ -113,6 +115,7 @@ class RoundLoop:
                     self._fail(e, APIError(500, f"internal error: {exc}", "server_error"))
 
     async def _round(self, shard: str, batch: list[Entry]) -> None:
+        t_start = time.perf_counter()
         now = time.monotonic()
         for e in [e for e in batch if now > e.deadline]:
             self._fail(e, APIError(408, "request timed out", "timeout", code="timeout"))
@@ -126,7 +129,7 @@ class RoundLoop:
         for name, (idx, reqs) in groups.items():
             t0 = time.perf_counter()
             rnd.set_proposals(idx, await self._propose(shard, name, reqs), time.perf_counter() - t0)
-        vreqs = rnd.verify_requests(self.decode_steps, fetch)
+        vreqs = rnd.verify_requests(self.decode_steps, fetch, self.decode_ahead)
         for i in fetch:
             # a sequence drafted for now will most likely want drafts again next round, at the
             # same K: the Verifier has them made as soon as its pass is done
@@ -139,9 +142,14 @@ class RoundLoop:
                                        code="service_unavailable", headers={"Retry-After": "2"}))
             return
         results, t_verify = answer
+        # what the round cost adaptive K is its whole time here, start to answer: with decoding
+        # ahead a plain call's answer was mostly made before the call, so its own duration
+        # says little, while this is the period at which rounds follow each other
+        t_round = time.perf_counter() - t_start - rnd.t_draft  # draft calls are costed on their own
         if fetch:
             draft_s = results[0].draft_s  # one wait for the call's drafts, reported on each result
             t_verify -= draft_s
+            t_round -= draft_s
             self.observe_call("Drafter", draft_s)
             rnd.observe_draft(fetch, max(results[i].num_drafted for i in fetch), draft_s)
             if any(r.draft_failed for r in results):
@@ -154,8 +162,8 @@ class RoundLoop:
                            "drafted": [r.num_drafted for r in results],
                            "accepted": [r.num_accepted for r in results], "steps": max(r.num_passes for r in results),
                            "emitted": [len(r.token_ids) for r in results],
-                           "verify_s": round(t_verify, 4), "draft_s": round(rnd.t_draft, 4)})
-        for (seq, delta), e in zip(rnd.commit(results, t_verify), batch):
+                           "verify_s": round(t_verify, 4), "round_s": round(t_round, 4), "draft_s": round(rnd.t_draft, 4)})
+        for (seq, delta), e in zip(rnd.commit(results, t_round), batch):
             if e.aborted:  # aborted while this round was in flight: its calls may have re-cached it
                 self._free(e)
                 continue

@@ -81,7 +81,8 @@ class OpenAIIngress:
         self.loop = RoundLoop(drafter, verifier, self.args.max_batch_size, self.args.num_shards, adaptive,
                               self.args.verifier_retry_s, self.args.drafter_timeout_s, self.args.decode_steps,
                               self.args.lookup_min_n, self.metrics.observe_call,
-                              prefetch=self.args.prefetch_drafts and drafter is not None)
+                              prefetch=self.args.prefetch_drafts and drafter is not None,
+                              decode_ahead=self.args.decode_ahead)
         self.has_drafter = drafter is not None
         self.created = now()
 

@@ -69,13 +69,13 @@ class _Replica:
         # back to the replica that served it before, which is where its caches are
         return shard
 
+    def _locked(self, fn, *a):
+        with self._lock:
+            return fn(*a)
+
     async def _run(self, fn, *a):
         """Model compute off the event loop (health checks keep answering), one call at a time."""
-        def locked():
-            with self._lock:
-                return fn(*a)
-
-        return await asyncio.get_running_loop().run_in_executor(self._pool, locked)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._locked, fn, *a)
 
     def _forget(self, seq_id: str) -> None:
         self._freed[seq_id] = None
@@ -144,6 +144,7 @@ class Verifier(_Replica):
         # seq_id -> (the ProposeRequest drafted ahead, index in its call, task with the call's proposals)
         self._ahead: OrderedDict[str, tuple] = OrderedDict()
         self.prefetched = self.prefetch_hits = self.draft_failures = 0
+        self._no_ahead: set[str] = set()  # sequences a waiting call drafts for: decoding ahead stops for them
         self.verifier = self._on_compute(build_verifier, _engine_config(self.args))
         from specdec.models.layouts import describe, maybe_tune
 
@@ -154,6 +155,8 @@ class Verifier(_Replica):
 
     async def verify(self, requests):
         await self._touch_shard()
+        # decoding ahead for a sequence this call drafts for is wasted: stop it after its current step
+        self._no_ahead.update(r.seq_id for r in requests if r.fetch_k or r.draft_token_ids)
         draft_s, failed = 0.0, False
         if any(r.fetch_k for r in requests) and self.drafter is not None:
             t0 = time.perf_counter()
@@ -162,12 +165,24 @@ class Verifier(_Replica):
         for r in requests:
             if not r.fetch_k:  # drafted ahead but not wanted (K went to 0): drop
                 self._ahead.pop(r.seq_id, None)
-        results = await self._run(self.verifier.verify, requests)
+        results = await self._run(self._verify, requests)
         if self.drafter is not None:
             self._prefetch(requests, results)
+        if any(r.ahead_steps for r in requests):
+            # queued on the compute thread now, so it runs while the results travel back; the
+            # next call queues behind it and finds its tokens done
+            job = self._pool.submit(self._locked, self.verifier.decode_ahead, requests, results, self._keep_ahead)
+            job.add_done_callback(lambda f: f.exception() and log.error("decoding ahead failed", exc_info=f.exception()))
         for res in results:
             res.draft_s, res.draft_failed = draft_s, failed
         return results
+
+    def _verify(self, requests):
+        self._no_ahead.difference_update(r.seq_id for r in requests)  # this call's own wishes are served now
+        return self.verifier.verify(requests)
+
+    def _keep_ahead(self, seq_id: str) -> bool:
+        return seq_id not in self._no_ahead and seq_id not in self._freed
 
     def _draft(self, reqs) -> asyncio.Task:
         """One Drafter call, as a task several sequences' waits can share."""
@@ -241,4 +256,5 @@ class Verifier(_Replica):
         return {**self.where(), "passes": v.passes, "batch_sizes": list(v.batch_sizes), "busy_s": v.busy_s,
                 "resident_sequences": sorted(v.runner.slots), "evictions": v.runner.evictions, "layouts": self.layouts,
                 "prefix_hits": v.runner.prefix_hits, "prefix_tokens_reused": v.runner.prefix_tokens_reused,
-                "prefetched": self.prefetched, "prefetch_hits": self.prefetch_hits, "draft_failures": self.draft_failures}
+                "prefetched": self.prefetched, "prefetch_hits": self.prefetch_hits, "draft_failures": self.draft_failures,
+                "ahead_decoded": v.ahead_decoded, "ahead_served": v.ahead_served}

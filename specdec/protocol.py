@@ -43,6 +43,11 @@ class VerifyRequest:
     # after this pass, have the drafter draft this many for the sequence's next round, from the
     # new tokens and feature, while the result travels back (Serve's draft prefetch; 0 = don't)
     prefetch_k: int = 0
+    # tokens that end the sequence (EOS, stop ids): plain steps stop after sampling one
+    stop_ids: tuple[int, ...] = ()
+    # after answering, decode this many more plain steps past the result while it travels back
+    # (pipelined multi-step decoding): a next call with the same tokens plus these takes them done
+    ahead_steps: int = 0
 
 
 @dataclass

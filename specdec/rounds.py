@@ -69,16 +69,22 @@ class Round:
         if self.adaptive is not None and all(self.batch[i].metrics.num_drafted for i in idx):
             self.adaptive.observe_draft(len(idx), k, seconds)
 
-    def verify_requests(self, decode_steps: int = 1, fetch: list[int] = ()) -> list[VerifyRequest]:
+    def verify_requests(self, decode_steps: int = 1, fetch: list[int] = (), ahead: bool = False) -> list[VerifyRequest]:
         """decode_steps > 1: if no sequence has drafts this round, ask for that many plain
         decoding steps in the one verifier call (each capped by what its sequence may emit).
-        fetch: batch indices whose drafts the verifier gets from the drafter itself."""
-        if fetch or any(d.token_ids for d in self.drafts):
-            decode_steps = 1
-        reqs = [VerifyRequest(s.seq_id, list(s.tokens), d.token_ids, d.probs, s.params, max(1, min(decode_steps, s.room())))
+        fetch: batch indices whose drafts the verifier gets from the drafter itself. ahead: a
+        sequence without drafts has the verifier decode its next decode_steps plain steps right
+        after this call (a remote verifier: they are made while the result travels)."""
+        steps = 1 if fetch or any(d.token_ids for d in self.drafts) else decode_steps
+        reqs = [VerifyRequest(s.seq_id, list(s.tokens), d.token_ids, d.probs, s.params, max(1, min(steps, s.room())),
+                              stop_ids=tuple(s.stop_ids))
                 for s, d in zip(self.batch, self.drafts)]
         for i in fetch:
             reqs[i].fetch_k, reqs[i].feature = self.ks[i], self.batch[i].feature
+        if ahead:
+            for r, s in zip(reqs, self.batch):
+                if not r.draft_token_ids and not r.fetch_k:
+                    r.ahead_steps = max(0, min(decode_steps, s.room() - r.num_steps))
         return reqs
 
     def commit(self, results: list[VerifyResult], verify_seconds: float) -> list[tuple[Sequence, Delta]]:

@@ -47,8 +47,8 @@ class Sequence:
                 f"prompt has {len(self.prompt_ids)} tokens; the context window is {self.max_len} tokens")
         self.tokens = list(self.prompt_ids)
         self.metrics.num_prompt_tokens = len(self.prompt_ids)
-        self._stop_ids = set() if self.params.ignore_eos else set(self.eos_token_ids)
-        self._stop_ids |= set(self.params.stop_token_ids)
+        self.stop_ids = set() if self.params.ignore_eos else set(self.eos_token_ids)
+        self.stop_ids |= set(self.params.stop_token_ids)
 
     @property
     def finished(self) -> bool:
@@ -69,7 +69,7 @@ class Sequence:
         self.metrics.record_round(result.num_drafted, result.num_accepted, result.num_passes, lookup)
         new: list[int] = []
         for tok in result.token_ids:
-            if tok in self._stop_ids:
+            if tok in self.stop_ids:
                 self.finish_reason = "stop"
                 break
             new.append(tok)

@@ -1,10 +1,18 @@
-"""The verifier: one batched forward pass over every sequence's proposals, then rejection sampling."""
+"""The verifier: one batched forward pass over every sequence's proposals, then rejection sampling.
+
+Decoding ahead (pipelined multi-step decoding, for a remote verifier): after a call's results go
+back, `decode_ahead` runs the plain steps the sequence's next call will ask for, so that call
+finds them done instead of paying its round trip with the verifier idle. A step samples exactly
+as it would in that next call (same sampler path, same per-position generator), so whether a
+token was decoded ahead or on demand changes nothing in the output."""
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from specdec.models.runner import ModelRunner
 from specdec.protocol import VerifyRequest, VerifyResult
@@ -12,19 +20,87 @@ from specdec.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
 from specdec.sampling import logits_to_probs, round_generator
 
 
+@dataclass
+class Ahead:
+    """A sequence's tokens followed by plain steps decoded ahead of any call asking for them."""
+
+    tokens: list[int]  # tokens[:start] came in a call; tokens[start:] were decoded ahead
+    start: int
+    features: list[Tensor] = field(default_factory=list)  # [i]: hidden state that predicted tokens[start + i]
+
+
 class Verifier:
     def __init__(self, runner: ModelRunner, history: int = 4096):
         self.runner = runner
         self.batch_sizes: deque[int] = deque(maxlen=history)  # sequences per verifier pass
         self.passes = 0  # verifier forward passes (verify rounds) so far
-        self.busy_s = 0.0  # time spent inside verify()
+        self.busy_s = 0.0  # time spent inside verify() and decode_ahead()
+        self.ahead: OrderedDict[str, Ahead] = OrderedDict()
+        self.ahead_decoded = 0  # tokens decoded ahead
+        self.ahead_served = 0  # of those, tokens a call took
 
     def free(self, seq_id: str) -> None:
         self.runner.free(seq_id)
+        self.ahead.pop(seq_id, None)
 
     @torch.no_grad()
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         t0 = time.perf_counter()
+        results: list[VerifyResult | None] = [self._take_ahead(r) for r in requests]
+        todo = [i for i, res in enumerate(results) if res is None]
+        if todo:
+            for i, res in zip(todo, self._compute([requests[i] for i in todo])):
+                results[i] = res
+        self.busy_s += time.perf_counter() - t0
+        return results
+
+    def _take_ahead(self, r: VerifyRequest) -> VerifyResult | None:
+        """A plain request's steps, if they were decoded ahead from its very tokens."""
+        a = self.ahead.get(r.seq_id)
+        n, m = len(r.tokens), r.num_steps
+        if a is None or r.draft_token_ids or r.fetch_k or not a.start <= n or n + m > len(a.tokens) \
+                or a.tokens[:n] != r.tokens:
+            self.ahead.pop(r.seq_id, None)  # drafted for, or other tokens: what is ahead is stale
+            return None
+        toks = a.tokens[n : n + m]
+        stop = next((j for j, t in enumerate(toks) if t in r.stop_ids), None)
+        if stop is not None:
+            toks = toks[: stop + 1]  # as the call itself would have: nothing past a stop token
+        self.ahead_served += len(toks)
+        return VerifyResult(toks, 0, 0, a.features[n + len(toks) - 1 - a.start], num_passes=len(toks))
+
+    @torch.no_grad()
+    def decode_ahead(self, requests: list[VerifyRequest], results: list[VerifyResult], keep=lambda seq_id: True) -> None:
+        """Decode each request's ahead_steps plain steps past its result (continuing what was
+        decoded ahead before, if the call took from it). keep(seq_id) is asked before every step:
+        a sequence whose next call turned out to want something else stops there."""
+        t0 = time.perf_counter()
+        todo: list[tuple[VerifyRequest, Ahead]] = []
+        for r, res in zip(requests, results):
+            toks = r.tokens + res.token_ids
+            if r.ahead_steps <= 0 or any(t in r.stop_ids for t in res.token_ids) or not keep(r.seq_id):
+                continue
+            a = self.ahead.get(r.seq_id)
+            if a is None or len(a.tokens) < len(toks) or a.tokens[: len(toks)] != toks:
+                a = self.ahead[r.seq_id] = Ahead(toks, len(toks))
+            self.ahead.move_to_end(r.seq_id)
+            need = len(toks) + r.ahead_steps - len(a.tokens)
+            if need > 0 and not any(t in r.stop_ids for t in a.tokens[len(toks) :]):
+                todo.append((VerifyRequest(r.seq_id, list(a.tokens), [], None, r.params, need, stop_ids=r.stop_ids), a))
+        while len(self.ahead) > 4 * self.runner.max_seqs:  # sequences that ended without a free
+            self.ahead.popitem(last=False)
+        if todo:
+            features: list[list[Tensor]] = [[] for _ in todo]
+            out = self._compute([q for q, _ in todo], keep, features)
+            for (q, a), res, f in zip(todo, out, features):
+                a.tokens += res.token_ids
+                a.features += f
+                self.ahead_decoded += len(res.token_ids)
+        self.busy_s += time.perf_counter() - t0
+
+    def _compute(self, requests: list[VerifyRequest], keep=None, features: list[list[Tensor]] | None = None) -> list[VerifyResult]:
+        """One pass over the requests' drafts, then their further plain steps. With features,
+        every step's feature is collected per request (decoding ahead: a call may take fewer)."""
         ids = [r.seq_id for r in requests]
         ks = [len(r.draft_token_ids) for r in requests]
         steps = [r.num_steps if k == 0 else 1 for r, k in zip(requests, ks)]
@@ -39,12 +115,13 @@ class Verifier:
             n = len(toks) - 1
             # row n of this request produced its last token; its feature seeds the next draft
             results.append(VerifyResult(toks, n, k, hidden[r0 + n].float().cpu().clone()))
+            if features is not None:
+                features[b].append(results[-1].feature)
             r0 += k + 1
         self.passes += 1
         self.batch_sizes.append(len(requests))
         if max(steps) > 1:
-            self._decode_more(requests, results, steps)
-        self.busy_s += time.perf_counter() - t0
+            self._decode_more(requests, results, steps, keep, features)
         return results
 
     def _sample(self, requests: list[VerifyRequest], ks: list[int], logits: torch.Tensor, step: int) -> torch.Tensor:
@@ -62,12 +139,17 @@ class Verifier:
         probs = [r.draft_probs for r in requests] if step == 0 else [None] * len(requests)
         return rejection_sample(drafts, ks, probs, torch.cat(rows), [r.params.greedy for r in requests], gens)
 
-    def _decode_more(self, requests: list[VerifyRequest], results: list[VerifyResult], steps: list[int]) -> None:
+    def _decode_more(self, requests: list[VerifyRequest], results: list[VerifyResult], steps: list[int],
+                     keep=None, features: list[list[Tensor]] | None = None) -> None:
         """Steps 2..num_steps of plain decoding, batched over the requests that asked for them.
         Each step samples exactly as a separate draft-free round would (same rejection-sampler
-        path, same per-position generator), so output does not depend on num_steps."""
+        path, same per-position generator), so output does not depend on num_steps. A request
+        stops early after a stop token, or when keep(seq_id) says no."""
         for step in range(1, max(steps)):
-            idx = [b for b, n in enumerate(steps) if n > step]
+            idx = [b for b, n in enumerate(steps) if n > step and results[b].token_ids[-1] not in requests[b].stop_ids
+                   and (keep is None or keep(requests[b].seq_id))]
+            if not idx:
+                break
             ids = [requests[b].seq_id for b in idx]
             hidden, _ = self.runner.forward(ids, [[results[b].token_ids[-1]] for b in idx])  # [B', 1, dim]
             hidden = hidden[:, 0]  # [B', dim]
@@ -75,7 +157,8 @@ class Verifier:
             for j, b in enumerate(idx):  # out: [B', 1]
                 results[b].token_ids.append(int(out[j, 0]))
                 results[b].num_passes += 1
-                if step == steps[b] - 1:  # its last step: this feature seeds the next draft
-                    results[b].feature = hidden[j].float().cpu().clone()
+                results[b].feature = hidden[j].float().cpu().clone()  # the last step's seeds the next draft
+                if features is not None:
+                    features[b].append(results[b].feature)
             self.passes += 1
             self.batch_sizes.append(len(idx))

@@ -83,6 +83,24 @@ def test_prefetched_drafts_are_used_and_lossless(server, client, reference):
     assert any(r["drafted"][0] > 0 for r in last)
 
 
+def test_decoded_ahead_steps_are_used_and_lossless(server, client, reference):
+    """Rounds without drafts are pipelined: the Verifier decodes a sequence's next steps while
+    the result travels back, and the next call takes them. Greedy and seeded sampled output
+    equal the in-process engine's plain decoding."""
+    from specdec.sampling import SamplingParams
+
+    before = server["verifier"].stats.remote().result()
+    for temperature, seed in ((0, None), (0.8, 11)):
+        r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40, temperature=temperature,
+                                           seed=seed, extra_body={"proposer": "none"})
+        want = reference.generate([CHAT], SamplingParams(max_tokens=40, temperature=temperature, seed=seed),
+                                  num_speculative_tokens=0)[0]
+        assert r.choices[0].message.content == want.text
+    after = server["verifier"].stats.remote().result()
+    assert after["ahead_served"] - before["ahead_served"] >= 2 * (40 - 2 * 4)  # all but the first call's (and a spare)
+    assert after["ahead_decoded"] - before["ahead_decoded"] <= 2 * 40
+
+
 def test_prefetched_drafts_equal_fresh_ones():
     """What makes taking K drafts from a longer prefetched chain lossless: they are what drafting
     K afresh gives, the same tokens and the same q rows, sampled too (the draws come from the
