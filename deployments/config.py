@@ -28,7 +28,7 @@ class AppArgs(BaseModel):
     max_seqs: int = Field(32, ge=1, description="KV-cache slots per model replica; least recently used sequences are evicted beyond it.")
     prefix_caching: bool = Field(True, description="A new sequence starts from the longest prefix it shares with a cached one (a freed slot's, or a live one's, copied): the chat template's system prompt and a chat's history are not recomputed.")
     decode_steps: int = Field(4, ge=1, le=32, description="Plain decoding steps per Verifier call in rounds without drafts (multi-step scheduling: one call's overhead per several tokens, at the cost of coarser joins and stream chunks).")
-    decode_ahead: bool = Field(True, description="Pipelined multi-step decoding: right after a plain call's steps, the Verifier decodes the sequence's next decode_steps while the result travels back, and the next call takes them done (same tokens as decoding on demand; the call's round trip no longer idles the verifier).")
+    decode_ahead: bool = Field(False, description="Pipelined multi-step decoding: right after a plain call's steps, the Verifier decodes the sequence's next decode_steps while the result travels back, and the next call takes them done (same tokens as decoding on demand; the call's round trip no longer idles the verifier).")
     max_batch_size: int = Field(16, ge=1, description="Sequences per verifier pass.")
     max_queue: int = Field(64, ge=1, description="Requests in flight per ingress replica before new ones get 429.")
     num_shards: int = Field(1, ge=1, description="Sequence groups per ingress; each group sticks to one drafter and one verifier replica.")

@@ -168,13 +168,21 @@ class AdaptiveK:
 
     def verify_cost(self, batch: int, tokens: int) -> float:
         curve = self._verify_by_batch.get(batch)
-        if curve is None:  # a batch size not seen yet: the nearest one seen, scaled by the prior
+        if curve is None:  # a batch size not seen yet: the nearest one seen, scaled
             if not self._verify_by_batch:
                 return self.verify_prior[0] + self.verify_prior[1] * tokens
             near = min(self._verify_by_batch, key=lambda b: abs(b - batch))
-            curve = self._verify_by_batch[near]
-            return curve(round(tokens * near / batch)) * batch / near
+            cost = self._verify_by_batch[near](round(tokens * near / batch)) * batch / near
+            if batch > near and tokens > batch:
+                # bigger than any batch measured: it may be compute-bound, where a draft token
+                # costs as much as a sequence's own (a small batch's flat curve says nothing of it)
+                cost = max(cost, self.verify_cost(batch, batch) * tokens / batch)
+            return cost
         return curve(tokens)
+
+    def _unmeasured(self, batch: int) -> bool:
+        """Bigger than every batch size a speculative pass was measured at: only a probe can tell."""
+        return bool(self._verify_by_batch) and batch > max(self._verify_by_batch)
 
     def position_acceptance(self) -> list[float]:
         return self.model.positions()
@@ -244,12 +252,12 @@ class AdaptiveK:
             first = next(i for i, (n, c, m) in enumerate(zip(new, caps, lk)) if n and c and not m)
             probed = [i == first for i in range(B)]
             ks = [min(self.first_probe_k, c) if p else ki for p, c, ki in zip(probed, caps, ks_for(0, best_l))]
-            if probe_pays(probed):
+            if self._unmeasured(B) or probe_pays(probed):
                 return ks
         if best == 0 and limit > 0:
             self._rounds_at_zero += 1
             if self._rounds_at_zero >= (self._probe_wait or self.probe_every) and \
-                    probe_pays([not m for m in lk]):  # else: probe once the load allows
+                    (self._unmeasured(B) or probe_pays([not m for m in lk])):  # else: probe once the load allows
                 self._rounds_at_zero, best, self._probing = 0, 1, True
         else:
             self._rounds_at_zero = 0

@@ -24,7 +24,9 @@ class Round:
         self.batch = batch
         self.adaptive = adaptive
         self.proposer_of = proposer_of
-        budgets = [s.draft_budget() if proposer_of.get(s.seq_id) else 0 for s in batch]
+        # no drafts in a sequence's first round: that pass prefills its prompt, and a draft head has
+        # no verifier feature to draft from yet (its drafts would only widen the pass)
+        budgets = [s.draft_budget() if proposer_of.get(s.seq_id) and s.output_ids else 0 for s in batch]
         # prompt lookup first (cheap): its matches bound those sequences' drafts this round
         self.looked_up = [lookup.lookup(s.tokens, b) if lookup is not None and b and proposer_of.get(s.seq_id) != "ngram"
                           else [] for s, b in zip(batch, budgets)]

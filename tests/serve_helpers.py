@@ -18,7 +18,10 @@ def serve_cluster(num_cpus=2, resources=None):
     import ray
     from ray import serve
 
+    from deployments.ray_env import apply
+
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    apply()  # a quieter control plane (the env the raylet and every worker inherit)
     ray.init(num_cpus=num_cpus, resources=resources or {"small_gpu": 1, "large_gpu": 1}, include_dashboard=False,
              log_to_driver=False, runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
     port = free_port()

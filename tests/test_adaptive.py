@@ -7,10 +7,12 @@ from specdec.sampling import SamplingParams
 
 
 def costs(verify_1=0.06, per_token=0.005, draft=0.004) -> AdaptiveK:
+    """Costs measured at 1 and 2 users (memory-bound: a second sequence costs like a token)."""
     ak = AdaptiveK(k_max=8)
     for _ in range(50):
-        for n in (1, 3, 5, 9):
-            ak.observe_verify(1, n, verify_1 + per_token * (n - 1))
+        for b in (1, 2):
+            for n in (1, 3, 5, 9, 17):
+                ak.observe_verify(b, b * n, verify_1 + per_token * (b * n - 1))
         ak.observe_draft(1, 4, 4 * draft)
     return ak
 
@@ -61,11 +63,20 @@ def test_no_probes_where_even_a_good_draft_could_not_pay():
 
 
 def test_an_unseen_batch_size_borrows_the_nearest_curve():
+    """Smaller than one measured: the nearest curve, scaled. Bigger than all: its plain pass is
+    scaled the same way, but draft tokens cost in proportion (it may be compute-bound), until a
+    probe measures it; that probe is made even where the pessimistic cost says it cannot pay."""
     ak = AdaptiveK()
     for x, y in ((4, 0.08), (8, 0.10)):
         ak.observe_verify(4, x, y)
-    assert abs(ak.verify_cost(8, 16) - 2 * 0.10) < 1e-9
+    assert abs(ak.verify_cost(2, 4) - 0.10 / 2) < 1e-9
+    assert abs(ak.verify_cost(8, 8) - 2 * 0.08) < 1e-9
+    assert abs(ak.verify_cost(8, 16) - 2 * 0.08 * 2) < 1e-9  # not the flat curve's 2 * 0.10
     assert ak.verify_cost(4, 8) == 0.10
+    for _ in range(20):
+        ak.observe_draft(4, 2, 0.004)
+    assert ak.choose([0.6] * 8, [4] * 8) == [0] * 8  # 1.6 tokens for 2 tokens' cost: no
+    assert ak.choose([0.6] * 8, [4] * 8, new=[True] + [False] * 7) == [2] + [0] * 7  # but one probe measures it
 
 
 def test_acceptance_estimate_does_not_drift_back_to_the_prior_at_k0():
@@ -131,7 +142,7 @@ def test_adaptive_engine_is_lossless(tiny_target):
 
 
 def test_every_new_request_is_probed_once_even_when_speculation_is_off():
-    ak = costs(draft=0.03)
+    ak = costs()
     assert ak.choose([0.05], [8], new=[False]) == [0]
     assert ak.choose([0.05, 0.05], [8, 1], new=[True, True]) == [2, 0]  # one new request a round
     assert ak.choose([0.05, 0.05], [8, 8], new=[False, True]) == [0, 2]  # only the new one drafts
