@@ -24,6 +24,7 @@ class AppArgs(BaseModel):
     num_threads: int = Field(0, ge=0, description="torch CPU threads per Verifier replica (0 = torch default).")
     draft_num_threads: int = Field(1, ge=0, description="torch CPU threads per Drafter replica (0 = torch default); with draft prefetch "
                                    "the Drafter runs while the Verifier waits for its drafts, so on a CPU they share it may use every core.")
+    draft_nice: int = Field(19, ge=0, le=19, description="Niceness added to the Drafter's compute threads. A drafting round's drafts are made while the Verifier is idle, waiting for them, so they lose nothing; drafts made ahead for a round that then decodes plainly are wasted, and at low priority they no longer slow the Verifier's pass on a CPU both share (Ray starts workers at niceness 15 unless RAY_worker_niceness says otherwise; deployments/ray_env.py sets it to 0).")
     max_model_len: int = Field(2048, ge=16, description="Context window: prompt + completion tokens.")
     max_seqs: int = Field(32, ge=1, description="KV-cache slots per model replica; least recently used sequences are evicted beyond it.")
     prefix_caching: bool = Field(True, description="A new sequence starts from the longest prefix it shares with a cached one (a freed slot's, or a live one's, copied): the chat template's system prompt and a chat's history are not recomputed.")

@@ -35,7 +35,7 @@ class _Replica:
     """What both deployments share: one compute thread, a lock (Serve may call sync methods from
     several threads, and a runner's slot table is not thread-safe) and where the replica runs."""
 
-    def __init__(self, num_threads: int = 0):
+    def __init__(self, num_threads: int = 0, nice: int = 0):
         self._lock = threading.Lock()
         # ids freed lately: a draft call that arrives after its sequence ended must not re-cache it
         self._freed: OrderedDict[str, None] = OrderedDict()
@@ -44,6 +44,10 @@ class _Replica:
         # threads (asyncio.to_thread) makes new teams with the wrong size. Measured on the
         # default verifier, 2 threads: 45-54 ms/token on one fixed thread, 59-62 ms via to_thread.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="compute")
+        if nice:
+            # Linux nice is per thread; the compute thread's OpenMP workers, created after this,
+            # inherit it (raising niceness needs no privileges)
+            self._pool.submit(os.nice, nice).result()
         if num_threads:
             import torch
 
@@ -94,7 +98,7 @@ class Drafter(_Replica):
         from specdec.engine import build_proposer
 
         self.args = AppArgs(**args)
-        super().__init__(self.args.draft_num_threads)
+        super().__init__(self.args.draft_num_threads, self.args.draft_nice)
         self.proposer = self._on_compute(build_proposer, self.args.draft, _engine_config(self.args))
         self.calls = 0
         self.busy_s = 0.0  # time spent proposing
