@@ -69,6 +69,8 @@ class RoundLoop:
         self.verifier_failures = 0
         # the last rounds, for operators and benchmarks: what adaptive K chose and what it cost
         self.trace: collections.deque[dict] = collections.deque(maxlen=512)
+        # per shard: the last round, its start and its draft seconds, until its cost is known
+        self._unpriced: dict[str, tuple[Round, float, float]] = {}
 
     @property
     def in_flight(self) -> int:
@@ -104,6 +106,7 @@ class RoundLoop:
         entries, wake = self.shards[shard], self._wake[shard]
         while True:
             if not entries:
+                self._price(shard, None)  # the loop goes idle: that round ended with its commit
                 wake.clear()
                 await wake.wait()
                 continue
@@ -114,8 +117,19 @@ class RoundLoop:
                 for e in list(entries[: self.max_batch_size]):
                     self._fail(e, APIError(500, f"internal error: {exc}", "server_error"))
 
+    def _price(self, shard: str, now: float | None) -> None:
+        """Tell adaptive K what the shard's last round cost: from its start to the next round's,
+        so the ingress's own work per round (commit, streaming, the next round's set-up) is counted;
+        a round of 4 plain steps pays it once, a speculative round every time. now None: it was
+        the last before the loop idled, and cost until its commit."""
+        last = self._unpriced.pop(shard, None)
+        if last is not None:
+            rnd, t_start, t_drafts = last
+            rnd.observe_cost((now if now is not None else rnd.t_committed) - t_start - t_drafts)
+
     async def _round(self, shard: str, batch: list[Entry]) -> None:
         t_start = time.perf_counter()
+        self._price(shard, t_start)
         now = time.monotonic()
         for e in [e for e in batch if now > e.deadline]:
             self._fail(e, APIError(408, "request timed out", "timeout", code="timeout"))
@@ -142,10 +156,7 @@ class RoundLoop:
                                        code="service_unavailable", headers={"Retry-After": "2"}))
             return
         results, t_verify = answer
-        # what the round cost adaptive K is its whole time here, start to answer: with decoding
-        # ahead a plain call's answer was mostly made before the call, so its own duration
-        # says little, while this is the period at which rounds follow each other
-        t_round = time.perf_counter() - t_start - rnd.t_draft  # draft calls are costed on their own
+        t_round = time.perf_counter() - t_start - rnd.t_draft  # the round so far, its draft calls apart
         if fetch:
             draft_s = results[0].draft_s  # one wait for the call's drafts, reported on each result
             t_verify -= draft_s
@@ -163,7 +174,12 @@ class RoundLoop:
                            "accepted": [r.num_accepted for r in results], "steps": max(r.num_passes for r in results),
                            "emitted": [len(r.token_ids) for r in results],
                            "verify_s": round(t_verify, 4), "round_s": round(t_round, 4), "draft_s": round(rnd.t_draft, 4)})
-        for (seq, delta), e in zip(rnd.commit(results, t_round), batch):
+        # adaptive K is told what the round cost once the next one starts (with decoding ahead,
+        # a plain call's answer was mostly made before the call: the period between rounds is
+        # what counts, not the call)
+        committed = rnd.commit(results, None)
+        self._unpriced[shard] = (rnd, t_start, rnd.t_draft)
+        for (seq, delta), e in zip(committed, batch):
             if e.aborted:  # aborted while this round was in flight: its calls may have re-cached it
                 self._free(e)
                 continue

@@ -256,4 +256,5 @@ class OpenAIIngress:
     async def loop_stats(self) -> dict:
         return {"in_flight": self.loop.in_flight, "rounds": self.loop.rounds,
                 "drafter_failures": self.loop.drafter_failures, "verifier_failures": self.loop.verifier_failures,
-                "recent_rounds": list(self.loop.trace)}
+                "recent_rounds": list(self.loop.trace),
+                "adaptive": self.loop.adaptive.state() if self.loop.adaptive is not None else None}

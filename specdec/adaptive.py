@@ -180,6 +180,24 @@ class AdaptiveK:
             return cost
         return curve(tokens)
 
+    def _plain_pass_cost(self, batch: int) -> float | None:
+        """Seconds per pass of a multi-step plain call at this batch size (None: no such calls).
+        A size never decoded plainly is estimated from the sizes that were, linearly in the batch
+        size: were it taken from the one-pass curve instead, a plain pass would be charged a whole
+        call's overhead, speculation would look better than it is, and, speculating every round,
+        the batch would never show what a plain pass costs."""
+        ms = self._multi_step_pass
+        if batch in ms or not ms:
+            return ms.get(batch)
+        lo = sorted((b for b in ms if b < batch), reverse=True)
+        hi = sorted(b for b in ms if b > batch)
+        if len(ms) == 1:
+            near = next(iter(ms))
+            return ms[near] * self.verify_cost(batch, batch) / self.verify_cost(near, near)
+        a, b = (lo[0], hi[0]) if lo and hi else ((lo[1], lo[0]) if lo else (hi[0], hi[1]))
+        slope = max((ms[b] - ms[a]) / (b - a), 0.0)
+        return max(ms[a] + slope * (batch - a), 1e-6)
+
     def _unmeasured(self, batch: int) -> bool:
         """Bigger than every batch size a speculative pass was measured at: only a probe can tell."""
         return bool(self._verify_by_batch) and batch > max(self._verify_by_batch)
@@ -214,8 +232,8 @@ class AdaptiveK:
             tokens = sum(e[ki] for e, ki in zip(gain_rows, ks))
             k_model = max((ki for ki, m in zip(ks, lk) if not m), default=0)
             n_drafting = sum(1 for ki, m in zip(ks, lk) if ki and not m)
-            if not any(ks) and B in self._multi_step_pass:
-                return tokens / self._multi_step_pass[B]
+            if not any(ks) and (plain := self._plain_pass_cost(B)) is not None:
+                return tokens / plain
             t = self.verify_cost(B, sum(ks) + B) + (self.draft_cost(k_model * n_drafting) if k_model else 0.0)
             return tokens / t
 
@@ -262,6 +280,15 @@ class AdaptiveK:
         else:
             self._rounds_at_zero = 0
         return ks_for(best, best_l)
+
+    def state(self) -> dict:
+        """What the choices rest on, for operators: costs learned and acceptance per position."""
+        return {"verify_s_by_batch": {b: {t: round(y, 4) for t, y in sorted(c.points.items())}
+                                      for b, c in sorted(self._verify_by_batch.items())},
+                "multi_step_pass_s": {b: round(y, 4) for b, y in sorted(self._multi_step_pass.items())},
+                "draft_s_per_call": {n: round(self.draft_cost(n), 4) for n in (1, 4, 16)},
+                "model_acceptance_by_position": [round(a, 3) for a in self.model.positions()],
+                "lookup_acceptance_by_position": [round(a, 3) for a in self.lookup.positions()]}
 
     def observe_round(self, drafted_accepted: list[tuple[int, int]], looked_up: list[bool] | None = None) -> None:
         """(drafts, accepted) of each sequence in a verified round; looked_up[i]: its drafts came

@@ -89,14 +89,25 @@ class Round:
                     r.ahead_steps = max(0, min(decode_steps, s.room() - r.num_steps))
         return reqs
 
-    def commit(self, results: list[VerifyResult], verify_seconds: float) -> list[tuple[Sequence, Delta]]:
+    def commit(self, results: list[VerifyResult], verify_seconds: float | None) -> list[tuple[Sequence, Delta]]:
+        """verify_seconds None: the round's cost is observed later, by observe_cost (Serve: once
+        the next round starts, so that what the ingress does between rounds is counted too)."""
+        # a multi-step call is observed per pass, and apart from one-pass calls
+        self._cost_sample = None if self.prefill_verify else \
+            (len(results), sum(r.num_drafted + 1 for r in results), max(r.num_passes for r in results))
         if self.adaptive is not None:
-            if not self.prefill_verify:
-                # a multi-step call is observed per pass, and apart from one-pass calls
-                n = max(r.num_passes for r in results)
-                self.adaptive.observe_verify(len(results), sum(r.num_drafted + 1 for r in results), verify_seconds / n, n)
+            if verify_seconds is not None:
+                self.observe_cost(verify_seconds)
             self.adaptive.observe_round([(r.num_drafted, r.num_accepted) for r in results], self.is_lookup)
-        return [(s, s.commit(r, m)) for s, r, m in zip(self.batch, results, self.is_lookup)]
+        out = [(s, s.commit(r, m)) for s, r, m in zip(self.batch, results, self.is_lookup)]
+        self.t_committed = time.perf_counter()
+        return out
+
+    def observe_cost(self, seconds: float) -> None:
+        """What the committed round's verifier call cost, drafts apart."""
+        if self.adaptive is not None and self._cost_sample is not None:
+            batch, tokens, n = self._cost_sample
+            self.adaptive.observe_verify(batch, tokens, seconds / n, n)
 
 
 def timed(fn, *args):

@@ -201,3 +201,21 @@ def test_users_arriving_together_are_probed_one_a_round():
     assert sum(k > 0 for k in ak.choose([0.3] * 16, [4] * 16, new=[True] * 16)) <= 1
     alone = costs(draft=0.03)
     assert alone.choose([0.05, 0.05, 0.05], [8, 8, 8], new=[True] * 3) == [2, 0, 0]
+
+
+def test_a_batch_size_never_decoded_plainly_is_not_charged_a_whole_call_per_pass():
+    """4 users who speculated from their first round never showed what a plain 4-step pass costs
+    at batch 4; the one-pass curve charges each pass a whole call. Plain passes measured at 1-3
+    users give it (linearly in the batch size), and K=1 at acceptance 0.47 no longer pays."""
+    ak = AdaptiveK(k_max=4)
+    for _ in range(20):
+        for b, x, y in ((1, 1, 0.055), (1, 2, 0.058), (4, 6, 0.095), (4, 8, 0.079), (4, 12, 0.107)):
+            ak.observe_verify(b, x, y)
+        for b, y in ((1, 0.045), (2, 0.052), (3, 0.058)):
+            ak.observe_verify(b, b, y, steps=4)
+        ak.observe_draft(4, 1, 0.018)
+        ak.observe_round([(1, 1), (1, 0)] * 10)  # ~0.5 of first drafts accepted
+    assert abs(ak._plain_pass_cost(4) - 0.0645) < 0.002
+    assert ak.choose([0.47] * 4, [4] * 4) == [0] * 4
+    ak._multi_step_pass.clear()  # as before: the one-pass curve's 4-token cost, a whole call per pass
+    assert ak.choose([0.47] * 4, [4] * 4) != [0] * 4

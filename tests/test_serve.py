@@ -14,7 +14,8 @@ pytestmark = pytest.mark.serve
 
 KEY = "sk-test-key-123"
 TINY = {"verifier": "tiny", "draft": "tiny:noise=0.05", "model_name": "tiny", "num_threads": 1, "adaptive": False,
-        "max_model_len": 256, "max_seqs": 24, "decode_ahead": True}
+        "max_model_len": 256, "max_seqs": 24, "decode_ahead": True,
+        "prefetch_drafts": True}
 CHAT = [{"role": "user", "content": "Tell me about speculative decoding."}]
 
 
