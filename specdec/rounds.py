@@ -48,6 +48,8 @@ class Round:
             if self.is_lookup[i]:
                 self.drafts[i] = Proposal(x[:k], None)  # one-hot q at the copied tokens
         self.t_draft = 0.0
+        self._cost_sample: tuple[int, int, int] | None = None  # (batch, tokens in pass, passes), set by commit
+        self.t_committed = 0.0
 
     def propose_requests(self) -> dict[str, tuple[list[int], list[ProposeRequest]]]:
         """Requests per proposer name: (batch indices, requests)."""
