@@ -42,7 +42,7 @@ def local_cluster(app_args: dict | None = None, deployment_options: dict | None 
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from deployments.app import build_app
+    from deployments.app import build_with_options
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
@@ -54,7 +54,7 @@ def local_cluster(app_args: dict | None = None, deployment_options: dict | None 
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_app({**TINY_ARGS, **(app_args or {})}, deployment_options or DEPLOYMENT_OPTIONS),
+        serve.run(build_with_options({**TINY_ARGS, **(app_args or {})}, deployment_options or DEPLOYMENT_OPTIONS),
                   name="specdec", route_prefix="/")
         yield {"url": f"http://127.0.0.1:{port}", "cluster": cluster, "small_node": small.node_id,
                "large_node": large.node_id, "head_node": cluster.head_node.node_id}

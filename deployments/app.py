@@ -11,10 +11,16 @@ from deployments.ingress import OpenAIIngress
 from deployments.replicas import Drafter, Verifier
 
 
-def build_app(args: dict | None = None, deployment_options: dict[str, dict] | None = None) -> Application:
-    """Verifier + Drafter (unless draft is 'none') behind the OpenAI ingress.
-    `deployment_options` ({name: Deployment.options kwargs}) is for callers that run the app
-    from Python; `serve run` applies the config file's `deployments:` section itself."""
+def build_app(args: dict) -> Application:
+    """Verifier + Drafter (unless draft is 'none') behind the OpenAI ingress. `serve run` calls
+    it with the config's `args` (exactly one parameter: Serve checks the signature) and applies
+    the file's `deployments:` section itself."""
+    return build_with_options(args)
+
+
+def build_with_options(args: dict | None, deployment_options: dict[str, dict] | None = None) -> Application:
+    """`deployment_options` ({name: Deployment.options kwargs}) is for callers that run the app
+    from Python, where no config file's `deployments:` section is applied."""
     a = AppArgs(**(args or {}))
     opts = deployment_options or {}
     kw = a.model_dump()
@@ -29,4 +35,4 @@ def app_from_config(path: str | Path, app: int = 0, args_override: dict | None =
     cfg = yaml.safe_load(Path(path).read_text())["applications"][app]
     args = {**(cfg.get("args") or {}), **(args_override or {})}
     opts = {d["name"]: {k: v for k, v in d.items() if k != "name"} for d in cfg.get("deployments", [])}
-    return build_app(args, opts), cfg
+    return build_with_options(args, opts), cfg

@@ -85,3 +85,16 @@ def test_rayservice_manifest():
     deps = check_app(serve_apps(serve_cfg)[0])
     assert satisfiable(demand(deps["Drafter"]), nodes) == ["small-gpu"]
     assert satisfiable(demand(deps["Verifier"]), nodes) == ["large-gpu"]
+
+
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_the_builder_is_what_serve_run_accepts(path):
+    """`serve run` calls import_path's builder through this check (exactly one parameter, the
+    args dict) before anything starts; a second, optional parameter once made it refuse the app."""
+    from ray.serve import Application
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    from deployments.app import build_app
+
+    for app in serve_apps(yaml.safe_load(path.read_text())):
+        assert isinstance(call_user_app_builder_with_args_if_necessary(build_app, app["args"]), Application)
