@@ -157,7 +157,10 @@ class Verifier:
             for j, b in enumerate(idx):  # out: [B', 1]
                 results[b].token_ids.append(int(out[j, 0]))
                 results[b].num_passes += 1
-                results[b].feature = hidden[j].float().cpu().clone()  # the last step's seeds the next draft
+                # the last step's feature seeds the next draft (one that stops early at a stop token
+                # ends its sequence, which drafts no more); decoding ahead keeps every step's
+                if step == steps[b] - 1 or features is not None:
+                    results[b].feature = hidden[j].float().cpu().clone()
                 if features is not None:
                     features[b].append(results[b].feature)
             self.passes += 1
