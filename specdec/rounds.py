@@ -100,7 +100,8 @@ class Round:
         if self.adaptive is not None:
             if verify_seconds is not None:
                 self.observe_cost(verify_seconds)
-            self.adaptive.observe_round([(r.num_drafted, r.num_accepted) for r in results], self.is_lookup)
+            self.adaptive.observe_round([(r.num_drafted, r.num_accepted) for r in results], self.is_lookup,
+                                        max(r.num_passes for r in results))
         out = [(s, s.commit(r, m)) for s, r, m in zip(self.batch, results, self.is_lookup)]
         self.t_committed = time.perf_counter()
         return out
