@@ -141,8 +141,8 @@ class Acceptance:
 @dataclass
 class AdaptiveK:
     k_max: int = 8  # largest K considered
-    probe_every: int = 16  # verifier passes at K = 0 before the first probe; doubles after each failed probe
-    max_probe_every: int = 256  # longest wait between probes, in passes
+    probe_every: int = 16  # rounds at K = 0 before the first probe; doubles after each failed probe
+    max_probe_every: int = 256  # longest wait between probes
     min_gain: float = 0.03  # speculate only when predicted to beat K = 0 by this much (the model errs)
     first_probe_k: int = 2  # drafts in each new request's one probe (0 = no per-request probe)
     probe_optimism: float = 0.9  # a probe is made only if it would pay at this acceptance (else it can only lose)
@@ -151,10 +151,8 @@ class AdaptiveK:
     verify_prior: tuple[float, float] = (0.06, 0.01)  # s per verifier pass = a + b * tokens, until measured
     ema_decay: float = 0.995  # per drafted token: how fast the global acceptance estimate forgets
     draft_cost: LinearFit = field(default_factory=lambda: LinearFit(0.002, 0.0015))  # s per draft call vs K x batch
-    # passes, not rounds: a multi-step plain round makes several, and counted as one the probes
-    # came 4x rarer per token in Serve than in-process (a 48-token answer never saw one)
-    _passes_at_zero: int = 0
-    _probe_wait: int = 0  # current passes between probes (0 = probe_every)
+    _rounds_at_zero: int = 0
+    _probe_wait: int = 0  # current rounds between probes (0 = probe_every)
     _probing: bool = False  # the last choice was a forced probe
     # one cost curve per batch size: the same tokens cost more spread over more sequences
     # (padding, masks), so a curve learned at 1 user would mislead at 4
@@ -275,12 +273,12 @@ class AdaptiveK:
             if self._unmeasured(B) or probe_pays(probed):
                 return ks
         if best == 0 and limit > 0:
-            self._passes_at_zero += 1  # this round's first pass; observe_round adds any further ones
-            if self._passes_at_zero >= (self._probe_wait or self.probe_every) and \
+            self._rounds_at_zero += 1
+            if self._rounds_at_zero >= (self._probe_wait or self.probe_every) and \
                     (self._unmeasured(B) or probe_pays([not m for m in lk])):  # else: probe once the load allows
-                self._passes_at_zero, best, self._probing = 0, 1, True
+                self._rounds_at_zero, best, self._probing = 0, 1, True
         else:
-            self._passes_at_zero = 0
+            self._rounds_at_zero = 0
         return ks_for(best, best_l)
 
     def state(self) -> dict:
@@ -292,14 +290,10 @@ class AdaptiveK:
                 "model_acceptance_by_position": [round(a, 3) for a in self.model.positions()],
                 "lookup_acceptance_by_position": [round(a, 3) for a in self.lookup.positions()]}
 
-    def observe_round(self, drafted_accepted: list[tuple[int, int]], looked_up: list[bool] | None = None,
-                      passes: int = 1) -> None:
+    def observe_round(self, drafted_accepted: list[tuple[int, int]], looked_up: list[bool] | None = None) -> None:
         """(drafts, accepted) of each sequence in a verified round; looked_up[i]: its drafts came
-        from prompt lookup; passes: the verifier passes the round made (plain multi-step rounds:
-        several). Running estimates of what the verifier accepted, not preset rates."""
+        from prompt lookup. Running estimates of what the verifier accepted, not preset rates."""
         looked_up = looked_up or [False] * len(drafted_accepted)
-        if passes > 1 and self._passes_at_zero:
-            self._passes_at_zero += passes - 1
         self.model.observe([x for x, m in zip(drafted_accepted, looked_up) if not m])
         self.lookup.observe([x for x, m in zip(drafted_accepted, looked_up) if m])
 

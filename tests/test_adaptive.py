@@ -122,21 +122,6 @@ def test_low_acceptance_turns_speculation_off_then_probes():
     assert picks[:-1] == [0] * (ak.probe_every - 1) and picks[-1] == 1
 
 
-def test_probe_clock_counts_passes_of_multi_step_rounds():
-    """Serve's plain rounds make 4 passes each: the probe comes after probe_every passes (4
-    rounds), as often per token as in-process, not after probe_every rounds."""
-    def rounds_to_probe(passes: int) -> int:
-        ak = costs(draft=0.03)
-        for n in range(1, 100):
-            if ak.choose([0.05], [8])[0]:
-                return n
-            ak.observe_round([(0, 0)], passes=passes)
-        return 0
-
-    assert rounds_to_probe(4) == 16 // 4 + 1  # the round after 4 rounds of 4 passes
-    assert rounds_to_probe(1) == 16  # control: one-pass rounds wait probe_every rounds
-
-
 def test_budget_caps_k():
     a, b = costs().choose([0.9, 0.9], [2, 8])
     assert a == 2 and b > 2
