@@ -294,18 +294,19 @@ def unit(x: Tensor, w: Tensor, eps: float) -> Tensor:
 def unrolled_loss(head, data: dict, idx: Tensor, label_map: Tensor, args, train: bool = True):
     """Loss and per-step accuracy over start positions idx, unrolled args.unroll steps."""
     feats, tokens, labels = data["feats"], data["tokens"], data["labels"]
-    f = feats[idx].float()
+    dev = head.embed_weight.device  # the data stays where it was collected; each batch moves to the head
+    f = feats[idx].to(dev).float()
     total, accs = 0.0, []
     w = 1.0
     wsum = 0.0
     for j in range(1, args.unroll + 1):
         pos = idx + j
-        f = head(f, tokens[pos])
+        f = head(f, tokens[pos].to(dev))
         logits = head.draft_logits(f)
-        true_f = feats[pos].float()
+        true_f = feats[pos].to(dev).float()
         with torch.no_grad():
             teacher = F.softmax(head.draft_logits(true_f), dim=-1)
-        lab = label_map[labels[pos]]  # draft-vocab index, -1 outside
+        lab = label_map[labels[pos]].to(dev)  # draft-vocab index, -1 outside
         lp = F.log_softmax(logits, dim=-1)
         hard = F.nll_loss(lp, lab, ignore_index=-1) if (lab >= 0).any() else lp.sum() * 0
         soft = -(teacher * lp).sum(-1).mean()
@@ -314,7 +315,7 @@ def unrolled_loss(head, data: dict, idx: Tensor, label_map: Tensor, args, train:
         total = total + w * (args.ce_weight * hard + args.kd_weight * soft + args.reg_weight * reg)
         wsum += w
         w *= args.step_decay
-        accs.append(float((head.vocab_ids[logits.argmax(-1)] == labels[pos]).float().mean()))
+        accs.append(float((head.vocab_ids[logits.argmax(-1)] == labels[pos].to(dev)).float().mean()))
         if not train:
             f = f.detach()
     return total / wsum, accs

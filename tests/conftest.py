@@ -6,6 +6,19 @@ import torch
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 torch.set_num_threads(2)
 
+# SPECDEC_TEST_DEVICE=cuda runs the engine tests' model compute on that device: every ModelRunner
+# moves its model there (tests build their tiny models on the CPU). For a lent GPU; CI leaves it unset.
+TEST_DEVICE = os.environ.get("SPECDEC_TEST_DEVICE")
+if TEST_DEVICE:
+    from specdec.models.runner import ModelRunner
+
+    _runner_init = ModelRunner.__init__
+
+    def _init_on_test_device(self, model, *args, **kwargs):
+        _runner_init(self, model.to(TEST_DEVICE), *args, **kwargs)
+
+    ModelRunner.__init__ = _init_on_test_device
+
 
 @pytest.fixture(scope="session")
 def tiny_target():

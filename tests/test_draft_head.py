@@ -26,8 +26,9 @@ def test_tiny_training_end_to_end(tmp_path, tiny_target):
     # the frozen parts come from the verifier, the trained part from the file
     assert head.embed_weight.data_ptr() == tiny_target.embed.weight.data_ptr()
     assert torch.equal(head.head_weight, tiny_target.lm_head.weight[head.vocab_ids])
-    f = torch.randn(3, tiny_target.args.dim)
-    assert head(f, torch.tensor([1, 2, 3])).shape == (3, tiny_target.args.dim)
+    dev = tiny_target.embed.weight.device  # CPU, or SPECDEC_TEST_DEVICE's
+    f = torch.randn(3, tiny_target.args.dim, device=dev)
+    assert head(f, torch.tensor([1, 2, 3], device=dev)).shape == (3, tiny_target.args.dim)
     # the proposer loads the same files
     prop = FeatureHeadProposer.from_pretrained(out, tiny_target)
     assert prop.name == "eagle"
@@ -38,7 +39,8 @@ def test_save_load_roundtrip(tmp_path, tiny_target):
     head.save(tmp_path)
     back = DraftHead.load(tmp_path, tiny_target)
     assert torch.equal(back.vocab_ids, head.vocab_ids)
-    f, x = torch.randn(4, tiny_target.args.dim), torch.tensor([5, 6, 7, 8])
+    dev = tiny_target.embed.weight.device
+    f, x = torch.randn(4, tiny_target.args.dim, device=dev), torch.tensor([5, 6, 7, 8], device=dev)
     torch.testing.assert_close(back(f, x), head(f, x), atol=2e-2, rtol=2e-2)  # fp16 storage
 
 
@@ -55,7 +57,7 @@ def test_feature_is_what_predicted_the_last_token(tiny_target, tiny_tok):
     toks = seq.tokens
     runner.sync(["x"], [toks[:-1] + [0]], [0])
     hidden, _ = runner.forward(["x"], [toks[:-1]])
-    torch.testing.assert_close(seq.feature, hidden[0, -1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(seq.feature, hidden[0, -1].float().cpu(), atol=1e-4, rtol=1e-4)
     assert int(tiny_target.logits(hidden[0, -1]).argmax()) == toks[-1]
 
 
@@ -101,8 +103,8 @@ def test_sampled_probs_are_distributions(tiny_target, tiny_tok):
             continue
         n_sampled += 1
         assert p.probs.shape == (len(p.token_ids), tiny_target.args.vocab_size)
-        torch.testing.assert_close(p.probs.sum(-1), torch.ones(len(p.token_ids)), atol=1e-5, rtol=0)
-        assert float(p.probs[:, outside].abs().max()) == 0.0
+        torch.testing.assert_close(p.probs.sum(-1), torch.ones(len(p.token_ids), device=p.probs.device), atol=1e-5, rtol=0)
+        assert float(p.probs[:, outside.to(p.probs.device)].abs().max()) == 0.0
         assert all(float(p.probs[j, t]) > 0 for j, t in enumerate(p.token_ids))
     assert n_sampled > 0
 

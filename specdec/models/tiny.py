@@ -45,7 +45,7 @@ def noisy_copy(model: Transformer, noise: float, seed: int = 1) -> Transformer:
     g = torch.Generator().manual_seed(seed)
     draft = copy.deepcopy(model)
     for p in draft.parameters():
-        p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * p.float().std().to(p.dtype) * noise)
+        p.add_(torch.randn(p.shape, generator=g).to(p.device, p.dtype) * p.float().std().to(p.dtype) * noise)
     return draft.eval()
 
 
