@@ -175,10 +175,15 @@ def main() -> int:
                     traces[spec] += ls["recent_rounds"][-new:] if new else []
                 if users == 1:
                     engine_runs.append(in_process_tps(eng, rep, a.max_tokens))
+            # what adaptive K had learned by the end of the level (costs per batch size, acceptance
+            # per position): why a level drafted as much as it did
+            learned = ingress.loop_stats.remote().result().get("adaptive")
             for spec in (True, False):
                 row = merge(users, spec, reps[spec])
                 row["verifier_mean_batch_size"] = st.mean(sizes[spec]) if sizes[spec] else 0.0
                 row["rounds"] = round_summary(traces[spec])
+                if spec:
+                    row["adaptive_state_after"] = learned
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         vstats = verifier.stats.remote().result()
