@@ -184,6 +184,7 @@ def main() -> int:
                 row["rounds"] = round_summary(traces[spec])
                 if spec:
                     row["adaptive_state_after"] = learned
+                    row["drafting_rounds_sample"] = [r for r in traces[spec] if any(r["drafted"])][:24]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         vstats = verifier.stats.remote().result()
