@@ -18,7 +18,6 @@ import json
 import platform
 import statistics as st
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from specdec.bench.run import verify_cost_curve  # noqa: E402
 from specdec.config import EngineConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
 from specdec.models.llama import ModelArgs, Transformer  # noqa: E402
@@ -34,11 +34,6 @@ from specdec.models.tiny import build_tiny, noisy_copy, tiny_args  # noqa: E402
 from specdec.proposers import DraftModelProposer  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
 from specdec.verifier import Verifier  # noqa: E402
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def engine(target, draft, k):
@@ -54,8 +49,7 @@ def exactness(device, dtype) -> dict:
     prompts = [[(7 * i + j) % 250 + 1 for j in range(5 + 3 * i)] for i in range(8)]
     greedy = SamplingParams(max_tokens=40, ignore_eos=True)
     plain = engine(target, draft, 0).generate(prompts, greedy, num_speculative_tokens=0)
-    spec_eng = engine(target, draft, 4)
-    spec = spec_eng.generate(prompts, greedy)
+    spec = engine(target, draft, 4).generate(prompts, greedy)
     same = all(a.token_ids == b.token_ids for a, b in zip(plain, spec))
     # where they part: in reduced precision a K+1-token pass and K+1 one-token passes accumulate
     # in different orders, and a near-tie in the verifier's logits can flip (float32: none here)
@@ -111,25 +105,9 @@ def llama_1b(device, dtype) -> Transformer:
 
 
 @torch.no_grad()
-def verify_curve(model, device, batch: int, ctx_len=512, max_tokens=16, reps=9) -> dict[int, float]:
-    runner = ModelRunner(model, batch, 1024)
-    V = model.args.vocab_size
-    ids = [f"b{i}" for i in range(batch)]
-    ctxs = [[(100 + 7 * i + j) % V for j in range(ctx_len)] for i in range(batch)]
-    runner.sync(ids, ctxs, [0] * batch)
-    runner.prefill(ids, [c[:-1] for c in ctxs])
-    times: dict[int, list[float]] = {t: [] for t in range(1, max_tokens + 1)}
-    for rep in range(reps + 2):  # two warm-up sweeps, then interleaved so drift hits every T alike
-        for t in times:
-            runner.sync(ids, ctxs, [t] * batch)
-            sync(device)
-            t0 = time.perf_counter()
-            hidden, valid = runner.forward(ids, [c[-1:] + [(500 + i) % V for i in range(t - 1)] for c in ctxs])
-            model.logits(hidden[valid])
-            sync(device)
-            if rep >= 2:
-                times[t].append(time.perf_counter() - t0)
-    return {t: round(1000 * st.median(v), 3) for t, v in times.items()}
+def verify_curve(model, batch: int) -> dict[int, float]:
+    ms = verify_cost_curve(ModelRunner(model, batch, 1024), ctx_len=512, max_tokens=16, reps=9, batch=batch, warmup=2)
+    return {t: round(v, 3) for t, v in ms.items()}
 
 
 def main() -> int:
@@ -150,7 +128,7 @@ def main() -> int:
         model = llama_1b(device, torch.bfloat16)
         out["params_1b"] = sum(p.numel() for p in model.parameters())
         for batch in (1, 16):
-            curve = verify_curve(model, device, batch)
+            curve = verify_curve(model, batch)
             out["verify_curve_1b"][batch] = curve
             print(f"batch {batch}: " + ", ".join(f"T={t}: {ms} ms" for t, ms in curve.items()), flush=True)
             out[f"verify_cost_ratio_9_vs_1_batch_{batch}"] = curve[9] / curve[1]

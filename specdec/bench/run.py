@@ -35,21 +35,31 @@ def load_prompts(per_category: int | None) -> list[dict]:
 
 
 # -- cost measurements ---------------------------------------------------------------------------
-def verify_cost_curve(runner, ctx_len=200, max_tokens=9, reps=7) -> dict[int, float]:
-    """Median ms of one verifier pass over T new tokens after a ctx_len context, T = 1..max."""
+def verify_cost_curve(runner, ctx_len=200, max_tokens=9, reps=7, batch=1, warmup=0) -> dict[int, float]:
+    """Median ms of one verifier pass over T new tokens per sequence, for `batch` sequences after a
+    ctx_len context each, T = 1..max; the first `warmup` sweeps are not timed. On a GPU the
+    device is synchronised around each pass, so the time is the pass's, not its launch's."""
     V = runner.model.args.vocab_size  # ids kept in range for small (tiny) vocabularies
-    ctx = [(100 + i) % V for i in range(ctx_len)]
-    runner.sync(["__bench"], [ctx], [0])
-    runner.prefill(["__bench"], [ctx[:-1]])
+    ids = [f"__bench{b}" for b in range(batch)]
+    ctxs = [[(100 + 7 * b + i) % V for i in range(ctx_len)] for b in range(batch)]
+    runner.sync(ids, ctxs, [0] * batch)
+    runner.prefill(ids, [c[:-1] for c in ctxs])
+    cuda = runner.device.type == "cuda"
     times: dict[int, list[float]] = {t: [] for t in range(1, max_tokens + 1)}
-    for _ in range(reps):  # interleaved, so drift hits every T alike
+    for rep in range(warmup + reps):  # interleaved, so drift hits every T alike
         for t in times:
-            runner.sync(["__bench"], [ctx], [t])
+            runner.sync(ids, ctxs, [t] * batch)
+            if cuda:
+                torch.cuda.synchronize(runner.device)
             t0 = time.perf_counter()
-            hidden, valid = runner.forward(["__bench"], [ctx[-1:] + [(500 + i) % V for i in range(t - 1)]])
+            hidden, valid = runner.forward(ids, [c[-1:] + [(500 + i) % V for i in range(t - 1)] for c in ctxs])
             runner.model.logits(hidden[valid])
-            times[t].append(time.perf_counter() - t0)
-    runner.free("__bench")
+            if cuda:
+                torch.cuda.synchronize(runner.device)
+            if rep >= warmup:
+                times[t].append(time.perf_counter() - t0)
+    for i in ids:
+        runner.free(i)
     return {t: 1000 * st.median(v) for t, v in times.items()}
 
 
