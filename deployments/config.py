@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class AppArgs(BaseModel):
@@ -16,6 +16,7 @@ class AppArgs(BaseModel):
     num_speculative_tokens: int = Field(4, ge=0, le=16, description="Default K per round; requests may lower or raise it up to max_speculative_tokens.")
     max_speculative_tokens: int = Field(8, ge=0, le=16, description="Largest K a request may ask for.")
     adaptive: bool = Field(True, description="Choose K each round from measured acceptance, load and cost (0 when speculation does not pay).")
+    adaptive_options: dict[str, float | int | bool] = Field(default_factory=dict, description="Overrides of adaptive K's settings (fields of specdec.adaptive.AdaptiveK, e.g. min_gain, first_probe_k, slow_start, probe_min_room).")
     default_proposer: str = Field("draft", description="Proposer used when a request names none: 'draft', 'ngram' or 'none'.")
     lookup_min_n: int = Field(3, ge=0, le=16, description="Before the draft, try prompt lookup in the ingress: a suffix match of at least this many tokens drafts for free, with no Drafter call (0 = off).")
     prefetch_drafts: bool = Field(False, description="The Verifier gets each round's drafts from the Drafter itself and has the next round's drafted right after its pass: a speculative round is one remote call for the ingress, and drafting overlaps the result's trip back (the drafts are the same as drafting afterwards). Off by default: on a 2-core CPU, adaptive K then drafted more rounds that did not pay, and drafts made for a round that decodes plainly cost CPU (see the README's Serve benchmark).")
@@ -40,6 +41,18 @@ class AppArgs(BaseModel):
     api_keys_env: str | None = Field("SPECDEC_API_KEYS", description="Environment variable with comma-separated API keys; unset or empty = no auth.")
     api_keys_file: str | None = Field(None, description="File with one API key per line (added to those from api_keys_env).")
     rate_limit: str | None = Field(None, description="Per-key rate limit in `limits` notation, e.g. '60/minute'; None = unlimited.")
+
+    @field_validator("adaptive_options")
+    @classmethod
+    def _known_adaptive_options(cls, v: dict) -> dict:
+        import dataclasses
+
+        from specdec.adaptive import AdaptiveK
+
+        known = {f.name for f in dataclasses.fields(AdaptiveK) if f.init and not f.name.startswith("_")} - {"k_max", "draft_cost"}
+        if unknown := sorted(set(v) - known):
+            raise ValueError(f"unknown adaptive option(s) {unknown}; known: {sorted(known)}")
+        return v
 
     @classmethod
     def from_yaml(cls, path: str | Path, app: int = 0) -> "AppArgs":

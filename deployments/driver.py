@@ -169,7 +169,8 @@ class RoundLoop:
                 self._drafter_backoff = 1.0
         self.observe_call("Verifier", t_verify)
         self.rounds += 1
-        self.trace.append({"ks": list(rnd.ks), "lookup": [int(x) for x in rnd.is_lookup],
+        self.trace.append({"t": round(t_start, 4), "batch": len(batch), "prefill": rnd.prefill_verify,
+                           "ks": list(rnd.ks), "lookup": [int(x) for x in rnd.is_lookup],
                            "drafted": [r.num_drafted for r in results],
                            "accepted": [r.num_accepted for r in results], "steps": max(r.num_passes for r in results),
                            "emitted": [len(r.token_ids) for r in results],

@@ -76,7 +76,8 @@ class OpenAIIngress:
         self.keys = load_api_keys(self.args)
         self.limiter = MovingWindowRateLimiter(MemoryStorage()) if self.args.rate_limit else None
         self.limit = parse(self.args.rate_limit) if self.args.rate_limit else None
-        adaptive = AdaptiveK(k_max=self.args.max_speculative_tokens) if self.args.adaptive else None
+        adaptive = AdaptiveK(k_max=self.args.max_speculative_tokens, **self.args.adaptive_options) \
+            if self.args.adaptive else None
         self.metrics = ServeMetrics()
         self.loop = RoundLoop(drafter, verifier, self.args.max_batch_size, self.args.num_shards, adaptive,
                               self.args.verifier_retry_s, self.args.drafter_timeout_s, self.args.decode_steps,

@@ -146,6 +146,8 @@ class AdaptiveK:
     min_gain: float = 0.03  # speculate only when predicted to beat K = 0 by this much (the model errs)
     first_probe_k: int = 2  # drafts in each new request's one probe (0 = no per-request probe)
     probe_optimism: float = 0.9  # a probe is made only if it would pay at this acceptance (else it can only lose)
+    slow_start: bool = False  # a sequence's model K at most twice what it last had accepted (first_probe_k at first)
+    probe_min_room: int = 16  # a request's own probe only while it may emit this many more tokens (else too late to use)
     prior_acceptance: float = 0.5  # acceptance assumed before any draft was verified
     prior_weight: float = 4.0  # pseudo-drafts behind the prior in each sequence's estimate
     verify_prior: tuple[float, float] = (0.06, 0.01)  # s per verifier pass = a + b * tokens, until measured
@@ -165,6 +167,10 @@ class AdaptiveK:
         acc = lambda: Acceptance(self.k_max, self.prior_acceptance, self.prior_weight, self.ema_decay)  # noqa: E731
         self.model = acc()  # drafts of the model proposer (draft head / draft model)
         self.lookup = acc()  # drafts copied by prompt lookup: free to make, accepted very unevenly
+        # model drafts in each sequence's first drafting round: what a request with no record of
+        # its own may expect. `model` weights requests by how much they drafted, and adaptive K
+        # drafts most where acceptance is best, so it overstates a new request's prospects
+        self.first = acc()
 
     def verify_cost(self, batch: int, tokens: int) -> float:
         curve = self._verify_by_batch.get(batch)
@@ -172,7 +178,13 @@ class AdaptiveK:
             if not self._verify_by_batch:
                 return self.verify_prior[0] + self.verify_prior[1] * tokens
             near = min(self._verify_by_batch, key=lambda b: abs(b - batch))
-            cost = self._verify_by_batch[near](round(tokens * near / batch)) * batch / near
+            # scaled as the two sizes' plain passes compare where both were measured: the batch
+            # ratio overstates a small batch's growth (its pass is flat) and understates nothing
+            # a measurement shows better (session 12: B=3 and B=14 guessed from B=4 and B=16 by
+            # the batch ratio looked cheap enough to probe; measured, they cost 1.3-1.6 plain passes)
+            plain, plain_near = self._multi_step_pass.get(batch), self._multi_step_pass.get(near)
+            scale = plain / plain_near if plain and plain_near else batch / near
+            cost = self._verify_by_batch[near](round(tokens * near / batch)) * scale
             if batch > near and tokens > batch:
                 # bigger than any batch measured: it may be compute-bound, where a draft token
                 # costs as much as a sequence's own (a small batch's flat curve says nothing of it)
@@ -202,6 +214,22 @@ class AdaptiveK:
         """Bigger than every batch size a speculative pass was measured at: only a probe can tell."""
         return bool(self._verify_by_batch) and batch > max(self._verify_by_batch)
 
+    def model_cap(self, last_accepted: int) -> int:
+        """Most model drafts worth a sequence's round, given how many its last model-drafted
+        round had accepted (-1: none yet). Deep positions' acceptance is learned mostly from the
+        sequences that reach them, the ones that accept best; scaled down to a new chat request's
+        level it still looked worth K = 7-8 drafts (session 12), and such rounds emitted 1-2 tokens
+        at twice a plain step's cost. Doubling from first_probe_k, as the drafts keep being
+        accepted, reaches k_max in two rounds where the prompt is that predictable. Off by
+        default: in Serve at 1 user (16 questions each way) it was level with it off (speculation
+        vs K=0 0.98x and 0.985x) while drafting twice as many rounds, each showing less of a
+        sequence's acceptance, and the new-request estimate (`acceptance`) had already removed
+        most of the K = 7-8 openings."""
+        if not self.slow_start:
+            return self.k_max
+        start = max(self.first_probe_k, 1)
+        return start if last_accepted < 0 else max(start, 2 * last_accepted)
+
     def position_acceptance(self) -> list[float]:
         return self.model.positions()
 
@@ -209,15 +237,22 @@ class AdaptiveK:
         return self.model.overall()
 
     def acceptance(self, num_accepted: int, num_drafted: int) -> float:
-        return self.model.of_sequence(num_accepted, num_drafted)
+        """A sequence's model-draft acceptance: its own record, shrunk towards what requests
+        accept in their first drafting round (session 12: shrunk towards the overall estimate,
+        ~0.65 after a well-accepted code answer, new chat requests at ~0.35 opened with K=7)."""
+        base = self.first.overall() if self.first.drafted else self.model.overall()
+        return (num_accepted + base * self.prior_weight) / (num_drafted + self.prior_weight)
 
     def choose(self, acceptances: list[float], budgets: list[int], new: list[bool] | None = None,
-               lookups: list[int] | None = None, lookup_acceptances: list[float] | None = None) -> list[int]:
+               lookups: list[int] | None = None, lookup_acceptances: list[float] | None = None,
+               prefilling: bool = False) -> list[int]:
         """K per sequence (each capped by its budget): one K for the model proposer's sequences
         and one for those with a prompt-lookup match, chosen together since they share the
         verifier pass. budgets[i] = most drafts sequence i can use this round; new[i]: it has had
         no model draft verified yet; lookups[i] = length of its lookup match (0 = none), with its
-        lookup acceptance estimate in lookup_acceptances[i]."""
+        lookup acceptance estimate in lookup_acceptances[i]. prefilling: the pass also prefills a
+        new sequence's prompt; no probe is forced into it (its cost, the prompt's, teaches nothing,
+        and with multi-step calls a draft there cuts every sequence's plain steps to one)."""
         B = len(acceptances)
         lookups = lookups or [0] * B
         lk = [m > 0 for m in lookups]
@@ -262,7 +297,7 @@ class AdaptiveK:
         if self._probing:  # the last round was a probe: did it change the verdict?
             self._probe_wait = 0 if best > 0 else min(2 * (self._probe_wait or self.probe_every), self.max_probe_every)
         self._probing = False
-        if best == 0 and new and self.first_probe_k and any(n and b and not m for n, b, m in zip(new, caps, lk)):
+        if best == 0 and new and self.first_probe_k and not prefilling and any(n and b and not m for n, b, m in zip(new, caps, lk)):
             # a request's own probe: its prompt may accept far above the average. One request a
             # round: users who arrive together would otherwise all be probed in one round, whose
             # optimistic gain (every one of them accepting at probe_optimism) pays for a pass
@@ -274,7 +309,7 @@ class AdaptiveK:
                 return ks
         if best == 0 and limit > 0:
             self._rounds_at_zero += 1
-            if self._rounds_at_zero >= (self._probe_wait or self.probe_every) and \
+            if self._rounds_at_zero >= (self._probe_wait or self.probe_every) and not prefilling and \
                     (self._unmeasured(B) or probe_pays([not m for m in lk])):  # else: probe once the load allows
                 self._rounds_at_zero, best, self._probing = 0, 1, True
         else:
@@ -288,13 +323,18 @@ class AdaptiveK:
                 "multi_step_pass_s": {b: round(y, 4) for b, y in sorted(self._multi_step_pass.items())},
                 "draft_s_per_call": {n: round(self.draft_cost(n), 4) for n in (1, 4, 16)},
                 "model_acceptance_by_position": [round(a, 3) for a in self.model.positions()],
+                "first_round_acceptance": round(self.first.overall(), 3),
                 "lookup_acceptance_by_position": [round(a, 3) for a in self.lookup.positions()]}
 
-    def observe_round(self, drafted_accepted: list[tuple[int, int]], looked_up: list[bool] | None = None) -> None:
+    def observe_round(self, drafted_accepted: list[tuple[int, int]], looked_up: list[bool] | None = None,
+                      first: list[bool] | None = None) -> None:
         """(drafts, accepted) of each sequence in a verified round; looked_up[i]: its drafts came
-        from prompt lookup. Running estimates of what the verifier accepted, not preset rates."""
+        from prompt lookup; first[i]: its sequence had no model drafts before this round. Running
+        estimates of what the verifier accepted, not preset rates."""
         looked_up = looked_up or [False] * len(drafted_accepted)
+        first = first or [False] * len(drafted_accepted)
         self.model.observe([x for x, m in zip(drafted_accepted, looked_up) if not m])
+        self.first.observe([x for x, m, f in zip(drafted_accepted, looked_up, first) if f and not m and x[0]])
         self.lookup.observe([x for x, m in zip(drafted_accepted, looked_up) if m])
 
     def observe_verify(self, batch: int, tokens_in_pass: int, seconds: float, steps: int = 1) -> None:

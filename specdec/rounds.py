@@ -30,18 +30,25 @@ class Round:
         # prompt lookup first (cheap): its matches bound those sequences' drafts this round
         self.looked_up = [lookup.lookup(s.tokens, b) if lookup is not None and b and proposer_of.get(s.seq_id) != "ngram"
                           else [] for s, b in zip(batch, budgets)]
+        # a sequence's first verify (and first draft) also prefills its prompt: such rounds would
+        # teach the cost models that passes are dearer than they are, so they are not observed
+        self.prefill_verify = any(not s.output_ids for s in batch)
         if adaptive is not None:
+            # the model's drafts grow as a sequence shows they are accepted (lookup: by its match)
+            budgets = [b if x else min(b, adaptive.model_cap(s.metrics.last_model_accepted))
+                       for b, x, s in zip(budgets, self.looked_up, batch)]
             acc = [adaptive.acceptance(s.metrics.num_model_accepted, s.metrics.num_model_drafted)
                    for s in batch]
             lacc = [adaptive.lookup.of_sequence(s.metrics.num_lookup_accepted, s.metrics.num_lookup_drafted)
                     for s in batch]
-            # past its prefill (a draft needs the verifier's feature) and never drafted by the model
-            new = [bool(s.output_ids) and not s.metrics.num_model_drafted for s in batch]
-            budgets = adaptive.choose(acc, budgets, new, [len(x) for x in self.looked_up], lacc)
+            # past its prefill (a draft needs the verifier's feature), never drafted by the model,
+            # and with enough left to emit that what its probe shows can still be used
+            new = [bool(s.output_ids) and not s.metrics.num_model_drafted and s.room() >= adaptive.probe_min_room
+                   for s in batch]
+            budgets = adaptive.choose(acc, budgets, new, [len(x) for x in self.looked_up], lacc,
+                                      prefilling=self.prefill_verify)
         self.ks = budgets
-        # a sequence's first verify (and first draft) also prefills its prompt: such rounds would
-        # teach the cost models that passes are dearer than they are, so they are not observed
-        self.prefill_verify = any(not s.output_ids for s in batch)
+        self.first_draft = [not s.metrics.num_model_drafted for s in batch]  # no model draft verified yet
         self.drafts: list[Proposal] = [Proposal([], None) for _ in batch]
         self.is_lookup = [bool(x) and k > 0 for x, k in zip(self.looked_up, self.ks)]
         for i, (x, k) in enumerate(zip(self.looked_up, self.ks)):
@@ -100,7 +107,8 @@ class Round:
         if self.adaptive is not None:
             if verify_seconds is not None:
                 self.observe_cost(verify_seconds)
-            self.adaptive.observe_round([(r.num_drafted, r.num_accepted) for r in results], self.is_lookup)
+            self.adaptive.observe_round([(r.num_drafted, r.num_accepted) for r in results], self.is_lookup,
+                                        self.first_draft)
         out = [(s, s.commit(r, m)) for s, r, m in zip(self.batch, results, self.is_lookup)]
         self.t_committed = time.perf_counter()
         return out

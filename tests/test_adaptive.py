@@ -219,3 +219,81 @@ def test_a_batch_size_never_decoded_plainly_is_not_charged_a_whole_call_per_pass
     assert ak.choose([0.47] * 4, [4] * 4) == [0] * 4
     ak._multi_step_pass.clear()  # as before: the one-pass curve's 4-token cost, a whole call per pass
     assert ak.choose([0.47] * 4, [4] * 4) != [0] * 4
+
+
+def _round_for(ak: AdaptiveK, room: int = 40, last_accepted: int = -1, prefilling_too: bool = False) -> list[int]:
+    """K chosen by a Round for one sequence past its prefill (and, optionally, one in its prefill)."""
+    from specdec.rounds import Round
+    from specdec.sequence import Sequence
+
+    def seq(i: int, out: int) -> Sequence:
+        s = Sequence(f"s{i}", [5, 6, 7, 8], SamplingParams(max_tokens=out + room, ignore_eos=True), 8, 4096)
+        s.output_ids = [9] * out
+        s.tokens += s.output_ids
+        return s
+
+    batch = [seq(0, 3)] + ([seq(1, 0)] if prefilling_too else [])
+    if last_accepted >= 0:
+        batch[0].metrics.record_round(max(2, last_accepted), last_accepted)
+    return Round(batch, {s.seq_id: "draft" for s in batch}, ak).ks
+
+
+def low_acceptance() -> AdaptiveK:
+    """Costs as costs(), and new requests' first drafts have mostly been rejected."""
+    ak = costs()
+    for _ in range(50):
+        ak.observe_round([(2, 0)], first=[True])
+    return ak
+
+
+def test_slow_start_drafts_deeper_only_as_a_sequences_drafts_are_accepted():
+    """Deep positions' acceptance is learned from the sequences that reach them (the best ones):
+    with slow start a new request starts at first_probe_k drafts and doubles as it accepts them."""
+    ak = costs()
+    assert ak.choose([0.9], [8]) == [8]  # the cost model alone would go deep at once
+    assert ak.model_cap(-1) == 8  # slow start is off by default
+    ak.slow_start = True
+    assert [ak.model_cap(n) for n in (-1, 0, 1, 2, 4)] == [2, 2, 2, 4, 8]
+    assert _round_for(ak) == [2]
+    assert _round_for(ak, last_accepted=2)[0] <= 4
+
+
+def test_a_new_request_is_expected_to_accept_what_first_rounds_did():
+    """The overall estimate weights requests by how much they drafted, so one well-accepted answer
+    that drafted deep dominates it; a request with no record of its own leans on first rounds."""
+    ak = AdaptiveK(k_max=8)
+    for _ in range(30):  # thirty requests' first rounds: one draft in four accepted
+        ak.observe_round([(2, 1), (2, 0)], first=[True, True])
+    for _ in range(40):
+        ak.observe_round([(8, 8)])  # then one request accepting everything, drafting deep
+    assert ak.global_acceptance() > 0.8
+    assert abs(ak.acceptance(0, 0) - ak.first.overall()) < 1e-9 and ak.acceptance(0, 0) < 0.35
+    assert ak.acceptance(40, 40) > 0.9  # its own record still wins
+
+
+def test_no_probe_is_forced_into_a_round_that_prefills_a_prompt():
+    """A prefilling pass is not costed (the prompt dominates it) and with multi-step calls a draft
+    there cuts every sequence's plain steps to one: probes wait for the next round."""
+    ak = low_acceptance()
+    assert ak.choose([0.05, 0.05], [8, 0], new=[True, False], prefilling=True) == [0, 0]
+    assert ak.choose([0.05, 0.05], [8, 0], new=[True, False]) == [2, 0]
+    picks = [ak.choose([0.05], [8], prefilling=True)[0] for _ in range(2 * ak.probe_every)]
+    assert picks == [0] * len(picks) and ak.choose([0.05], [8]) == [1]  # the periodic probe, once it can
+    assert _round_for(low_acceptance(), prefilling_too=True) == [0, 0]
+    assert _round_for(low_acceptance()) == [2]
+
+
+def test_a_request_near_its_end_is_not_probed():
+    assert _round_for(low_acceptance(), room=40) == [2]
+    assert _round_for(low_acceptance(), room=AdaptiveK.probe_min_room - 1) == [0]
+
+
+def test_an_unmeasured_batch_size_is_scaled_as_its_plain_passes_compare():
+    """Serve, session 12: one-pass cost measured at 16 users only; 14 users' one-pass cost guessed
+    by the batch ratio (14/16) came out below their measured plain pass, so a probe looked free."""
+    ak = AdaptiveK(k_max=4)
+    ak.observe_verify(16, 18, 0.158)
+    ak.observe_verify(16, 16, 0.123, steps=4)
+    ak.observe_verify(14, 14, 0.134, steps=4)
+    assert abs(ak.verify_cost(14, 16) - 0.158 * 0.134 / 0.123) < 1e-9
+    assert ak.verify_cost(14, 16) > ak._plain_pass_cost(14)

@@ -98,3 +98,10 @@ def test_the_builder_is_what_serve_run_accepts(path):
 
     for app in serve_apps(yaml.safe_load(path.read_text())):
         assert isinstance(call_user_app_builder_with_args_if_necessary(build_app, app["args"]), Application)
+
+
+def test_adaptive_options_name_adaptive_k_settings():
+    """`adaptive_options` reaches AdaptiveK's settings; a misspelt one fails at load, not silently."""
+    assert AppArgs(adaptive_options={"slow_start": False, "min_gain": 0.05}).adaptive_options["min_gain"] == 0.05
+    with pytest.raises(ValueError, match="unknown adaptive option"):
+        AppArgs(adaptive_options={"min_gian": 0.05})
