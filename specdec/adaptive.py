@@ -254,6 +254,14 @@ class AdaptiveK:
         new sequence's prompt; no probe is forced into it (its cost, the prompt's, teaches nothing,
         and with multi-step calls a draft there cuts every sequence's plain steps to one)."""
         B = len(acceptances)
+        if self._multi_step_pass and B not in self._multi_step_pass:
+            # plain rounds run several steps per call, but never yet at this batch size: decode
+            # plainly once to measure it, probes included. Its estimate from other sizes errs both
+            # ways: linear from 1-4 users it put 16 users' plain pass at 0.17 s against 0.12
+            # measured, and K=1 for all sixteen (or each new request's probe in turn) looked like
+            # a gain; speculating every round, the batch never showed otherwise (session 12: 18
+            # such rounds in one rep, 0.83x K=0; 16 probe rounds in another, 0.89x)
+            return [0] * B
         lookups = lookups or [0] * B
         lk = [m > 0 for m in lookups]
         caps = [min(b, m) if m else b for b, m in zip(budgets, lookups)]
@@ -294,13 +302,6 @@ class AdaptiveK:
         if best_l and best and rate(0, best_l) >= (1 + self.min_gain) * base and \
                 rate(best, best_l) < (1 + self.min_gain) * rate(0, best_l):
             best = 0  # the model's drafts must pay on their own, beyond what lookup already gains
-        if self._multi_step_pass and B not in self._multi_step_pass:
-            # plain rounds run several steps per call, but never yet at this batch size: decode
-            # plainly once to measure it (probes apart). Its estimate from other sizes errs both
-            # ways: linear from 1-4 users it put 16 users' plain pass at 0.17 s against 0.12
-            # measured, K=1 for all sixteen looked like a gain, and, speculating every round, the
-            # batch never showed otherwise (session 12: 18 such rounds, that rep 0.83x K=0)
-            best, best_l = 0, 0
         if self._probing:  # the last round was a probe: did it change the verdict?
             self._probe_wait = 0 if best > 0 else min(2 * (self._probe_wait or self.probe_every), self.max_probe_every)
         self._probing = False

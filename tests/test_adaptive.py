@@ -302,8 +302,8 @@ def test_an_unmeasured_batch_size_is_scaled_as_its_plain_passes_compare():
 def test_no_speculation_at_a_batch_size_until_its_plain_pass_is_measured():
     """Serve, session 12, as measured: plain 4-step passes known at 1-4 users only, a 16-user
     one-pass call of 18-32 tokens at 0.15 s. Linear from 1-4 users, 16 users' plain pass came out at
-    0.17 s (0.12 measured) and K=1 for all looked like a gain; now a plain round measures it first,
-    and then K=1 at acceptance 0.3 does not pay."""
+    0.17 s (0.12 measured), and K=1 for all, or each new request's probe in turn, looked like a
+    gain; now a plain round measures it first, and then K=1 at acceptance 0.3 does not pay."""
     ak = AdaptiveK(k_max=4)
     for _ in range(20):
         for b, y in ((1, 0.049), (3, 0.064), (4, 0.072)):
@@ -313,6 +313,7 @@ def test_no_speculation_at_a_batch_size_until_its_plain_pass_is_measured():
         ak.observe_draft(16, 1, 0.025)
     assert ak._plain_pass_cost(16) > 0.16  # the estimate that misled
     assert ak.choose([0.3] * 16, [4] * 16) == [0] * 16
+    assert ak.choose([0.3] * 16, [4] * 16, new=[True] * 16) == [0] * 16  # not even a new request's probe
     ak.observe_verify(16, 16, 0.12, steps=4)
     assert ak.choose([0.3] * 16, [4] * 16) == [0] * 16
     assert ak.choose([0.95] * 16, [4] * 16) != [0] * 16  # at high acceptance it would pay
