@@ -178,10 +178,10 @@ class AdaptiveK:
             if not self._verify_by_batch:
                 return self.verify_prior[0] + self.verify_prior[1] * tokens
             near = min(self._verify_by_batch, key=lambda b: abs(b - batch))
-            # scaled as the two sizes' plain passes compare where both were measured: the batch
-            # ratio overstates a small batch's growth (its pass is flat) and understates nothing
-            # a measurement shows better (session 12: B=3 and B=14 guessed from B=4 and B=16 by
-            # the batch ratio looked cheap enough to probe; measured, they cost 1.3-1.6 plain passes)
+            # scaled as the two sizes' plain passes compare, where both were measured, not by the
+            # batch ratio (session 12: one-pass calls at 3 and 14 users guessed from 4 and 16 by
+            # the ratio came out near those sizes' measured plain passes, so probes there looked
+            # free; measured, such calls cost 1.2-1.6 plain passes)
             plain, plain_near = self._multi_step_pass.get(batch), self._multi_step_pass.get(near)
             scale = plain / plain_near if plain and plain_near else batch / near
             cost = self._verify_by_batch[near](round(tokens * near / batch)) * scale

@@ -290,7 +290,7 @@ def test_a_request_near_its_end_is_not_probed():
 
 def test_an_unmeasured_batch_size_is_scaled_as_its_plain_passes_compare():
     """Serve, session 12: one-pass cost measured at 16 users only; 14 users' one-pass cost guessed
-    by the batch ratio (14/16) came out below their measured plain pass, so a probe looked free."""
+    by the batch ratio (14/16) came out level with their measured plain pass, so a probe looked free."""
     ak = AdaptiveK(k_max=4)
     ak.observe_verify(16, 18, 0.158)
     ak.observe_verify(16, 16, 0.123, steps=4)
