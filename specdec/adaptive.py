@@ -3,7 +3,9 @@
 With acceptance a_i at draft position i (given the drafts before it were accepted; a draft's
 later guesses are worse, so a_i falls with i), K drafts yield on average
 E(K) = 1 + a_1 + a_1 a_2 + ... + a_1...a_K tokens per verifier pass. The a_i are learned over
-all sequences; a sequence's own record scales them. A round costs one draft call (a fixed
+all sequences; a sequence's own record scales them, and a request with no record yet is expected
+to do what requests did in their first drafting round (the overall rate leans on the requests
+that drafted most, the ones that accept best). A round costs one draft call (a fixed
 part, e.g. an RPC, plus a part per sequence-step) and one verifier pass over all the batch's
 tokens. Both are measured online: the verify cost as a curve over tokens per pass (it is flat
 while the weights' memory traffic dominates and steep once a big batch makes it compute-bound,
@@ -23,7 +25,11 @@ scheduling), a plain pass costs its share of a call and a speculative round a wh
 per-call overhead (remote call, batch set-up, results) is spread over the steps of one and paid
 in full by the other. So the passes of multi-step calls are costed apart from the curves, which
 learn from one-pass calls only; mixed, they made a one-pass call just above the batch's plain
-size look as cheap as a share of a multi-step one, and cheap lookup drafts in a big batch lost."""
+size look as cheap as a share of a multi-step one, and cheap lookup drafts in a big batch lost.
+A batch size whose plain multi-step pass was never measured decodes plainly first (no drafts, no
+probes): guessed from other sizes, its plain pass can look dear enough that speculating every
+round seems to pay, and then it is never measured. No probe goes into a round that prefills a
+prompt (such rounds are not costed), nor to a request too near its end to use what it shows."""
 from __future__ import annotations
 
 import functools
