@@ -18,8 +18,6 @@ import os
 import sys
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -39,10 +37,7 @@ def main() -> int:
 
     from serve_helpers import run_app, serve_cluster
 
-    override = {"api_keys_env": None, "max_batch_size": 16, "max_queue": 128}
-    for kv in a.set:
-        key, _, value = kv.partition("=")
-        override[key] = yaml.safe_load(value)
+    override = serve_load.app_overrides(a.set)
     model = override.get("model_name", "SmolLM2-135M-Instruct")
     out = []
     with serve_cluster() as url:

@@ -91,6 +91,18 @@ def merge(users: int, spec: bool, reps: list[dict]) -> dict:
             "acceptance_rate": st.mean(r["acceptance_rate"] for r in rs)}
 
 
+def app_overrides(sets: list[str], tiny: bool = False) -> dict:
+    """The app args a load run changes from serve_config.yaml: no API keys, room for 16 users,
+    random models with `tiny`, then each --set ARG=VALUE (VALUE parsed as YAML)."""
+    override = {"api_keys_env": None, "max_batch_size": 16, "max_queue": 128}
+    if tiny:
+        override.update(verifier="tiny", draft="tiny:noise=0.05", model_name="tiny")
+    for kv in sets:
+        key, _, value = kv.partition("=")
+        override[key] = yaml.safe_load(value)
+    return override
+
+
 def round_summary(rounds: list[dict]) -> dict:
     """What the ingress's rounds did (its loop_stats trace): how often they drafted, and what a
     drafting and a plain round cost as the ingress saw them."""
@@ -146,12 +158,7 @@ def main() -> int:
 
     from serve_helpers import run_app, serve_cluster
 
-    override = {"api_keys_env": None, "max_batch_size": 16, "max_queue": 128}
-    if a.tiny:
-        override.update(verifier="tiny", draft="tiny:noise=0.05", model_name="tiny")
-    for kv in a.set:
-        key, _, value = kv.partition("=")
-        override[key] = yaml.safe_load(value)
+    override = app_overrides(a.set, a.tiny)
     model = override.get("model_name", "SmolLM2-135M-Instruct")
     rows, engine_runs = [], []
     eng = in_process_engine(override)  # the in-process engine, run between the 1-user Serve reps

@@ -119,9 +119,11 @@ class Acceptance:
             out.append(prev)
         return out
 
-    def of_sequence(self, num_accepted: int, num_drafted: int) -> float:
-        """A sequence's estimate, shrunk towards the overall one while it has few drafts."""
-        return (num_accepted + self.overall() * self.prior_weight) / (num_drafted + self.prior_weight)
+    def of_sequence(self, num_accepted: int, num_drafted: int, towards: float | None = None) -> float:
+        """A sequence's estimate, shrunk towards `towards` (default: the overall one) while it has
+        few drafts."""
+        base = self.overall() if towards is None else towards
+        return (num_accepted + base * self.prior_weight) / (num_drafted + self.prior_weight)
 
     def gains(self, seq_acceptance: float) -> list[float]:
         """E(k) for k = 0..k_max: the positions' acceptances scaled by the sequence's record."""
@@ -246,8 +248,7 @@ class AdaptiveK:
         """A sequence's model-draft acceptance: its own record, shrunk towards what requests
         accept in their first drafting round (session 12: shrunk towards the overall estimate,
         ~0.65 after a well-accepted code answer, new chat requests at ~0.35 opened with K=7)."""
-        base = self.first.overall() if self.first.drafted else self.model.overall()
-        return (num_accepted + base * self.prior_weight) / (num_drafted + self.prior_weight)
+        return self.model.of_sequence(num_accepted, num_drafted, self.first.overall() if self.first.drafted else None)
 
     def choose(self, acceptances: list[float], budgets: list[int], new: list[bool] | None = None,
                lookups: list[int] | None = None, lookup_acceptances: list[float] | None = None,

@@ -33,6 +33,7 @@ class Round:
         # a sequence's first verify (and first draft) also prefills its prompt: such rounds would
         # teach the cost models that passes are dearer than they are, so they are not observed
         self.prefill_verify = any(not s.output_ids for s in batch)
+        self.first_draft = [not s.metrics.num_model_drafted for s in batch]  # no model draft verified yet
         if adaptive is not None:
             # the model's drafts grow as a sequence shows they are accepted (lookup: by its match)
             budgets = [b if x else min(b, adaptive.model_cap(s.metrics.last_model_accepted))
@@ -43,12 +44,11 @@ class Round:
                     for s in batch]
             # past its prefill (a draft needs the verifier's feature), never drafted by the model,
             # and with enough left to emit that what its probe shows can still be used
-            new = [bool(s.output_ids) and not s.metrics.num_model_drafted and s.room() >= adaptive.probe_min_room
-                   for s in batch]
+            new = [bool(s.output_ids) and first and s.room() >= adaptive.probe_min_room
+                   for s, first in zip(batch, self.first_draft)]
             budgets = adaptive.choose(acc, budgets, new, [len(x) for x in self.looked_up], lacc,
                                       prefilling=self.prefill_verify)
         self.ks = budgets
-        self.first_draft = [not s.metrics.num_model_drafted for s in batch]  # no model draft verified yet
         self.drafts: list[Proposal] = [Proposal([], None) for _ in batch]
         self.is_lookup = [bool(x) and k > 0 for x, k in zip(self.looked_up, self.ks)]
         for i, (x, k) in enumerate(zip(self.looked_up, self.ks)):
