@@ -15,6 +15,8 @@ The batch is ragged: draft ids are flat [sum K_i] with per-request counts; targe
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 from torch import Tensor
 
@@ -30,26 +32,29 @@ def rejection_sample(
     generators: list[torch.Generator | None],  # [B], used by sampled requests only
 ) -> Tensor:
     B = len(num_draft_tokens)
-    out = torch.full((B, max(num_draft_tokens, default=0) + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
-    d0 = t0 = 0
+    starts = list(accumulate((k + 1 for k in num_draft_tokens), initial=0))  # [B + 1]: first target row per request
+    # greedy requests need only the argmax of their rows: one batched argmax and one copy to the
+    # host for all of them (per-request ops would each wait on the device)
+    g_rows = [starts[b] + j for b in range(B) if greedy[b] for j in range(num_draft_tokens[b] + 1)]
+    best = {}  # target row -> its argmax
+    if g_rows:
+        rows = target if len(g_rows) == target.shape[0] else target[g_rows]
+        best = dict(zip(g_rows, rows.argmax(dim=-1).tolist()))
+    drafts_all = draft_token_ids.tolist()
+    out = []
+    d0 = 0
     for b, k in enumerate(num_draft_tokens):
-        drafts = draft_token_ids[d0 : d0 + k]  # [K]
-        rows = target[t0 : t0 + k + 1]  # [K+1, V]
+        t0 = starts[b]
+        drafts = drafts_all[d0 : d0 + k]  # [K]
         if greedy[b]:
-            tokens = _greedy(drafts, rows)
+            argmax = [best[t0 + j] for j in range(k + 1)]  # [K+1]
+            n = next((j for j in range(k) if drafts[j] != argmax[j]), k)  # accepted drafts
+            out.append(argmax[: n + 1])  # accepted tokens equal the argmax, then the recovered or bonus argmax
         else:
-            tokens = _sampled(drafts, draft_probs[b], rows, generators[b])
-        out[b, : len(tokens)] = tokens
-        d0, t0 = d0 + k, t0 + k + 1
-    return out
-
-
-def _greedy(drafts: Tensor, rows: Tensor) -> Tensor:
-    best = rows.argmax(dim=-1)  # [K+1]
-    k = len(drafts)
-    mismatch = (drafts != best[:k]).nonzero()
-    n = int(mismatch[0]) if len(mismatch) else k  # accepted drafts
-    return best[: n + 1]  # accepted tokens equal the argmax, then the recovered or bonus argmax
+            out.append(_sampled(draft_token_ids[d0 : d0 + k], draft_probs[b], target[t0 : t0 + k + 1], generators[b]).tolist())
+        d0 += k
+    width = max(num_draft_tokens, default=0) + 1
+    return torch.tensor([row + [PLACEHOLDER_TOKEN_ID] * (width - len(row)) for row in out], dtype=torch.long).view(B, width)
 
 
 def _sampled(drafts: Tensor, q: Tensor | None, p: Tensor, gen: torch.Generator | None) -> Tensor:

@@ -7,6 +7,7 @@ as it would in that next call (same sampler path, same per-position generator), 
 token was decoded ahead or on demand changes nothing in the output."""
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -109,15 +110,16 @@ class Verifier:
         hidden, valid = self.runner.forward(ids, inputs)  # [B, T, dim]
         hidden = hidden[valid]  # [sum(K_i + 1), dim], only the real rows
         out = self._sample(requests, ks, self.runner.model.logits(hidden), step=0)  # logits [sum(K_i + 1), V]
-        results, r0 = [], 0
+        toks = [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in out.tolist()]
+        # row n of a request's block produced its last token; that row's feature seeds the next
+        # draft (gathered and copied to the host at once: a copy per request waits on the device each time)
+        starts = itertools.accumulate((k + 1 for k in ks), initial=0)
+        feats = hidden[[r0 + len(t) - 1 for r0, t in zip(starts, toks)]].float().cpu()  # [B, dim]
+        results = []
         for b, k in enumerate(ks):
-            toks = [int(t) for t in out[b] if t != PLACEHOLDER_TOKEN_ID]
-            n = len(toks) - 1
-            # row n of this request produced its last token; its feature seeds the next draft
-            results.append(VerifyResult(toks, n, k, hidden[r0 + n].float().cpu().clone()))
+            results.append(VerifyResult(toks[b], len(toks[b]) - 1, k, feats[b].clone()))
             if features is not None:
                 features[b].append(results[-1].feature)
-            r0 += k + 1
         self.passes += 1
         self.batch_sizes.append(len(requests))
         if max(steps) > 1:
@@ -135,7 +137,7 @@ class Verifier:
         gens = [None if r.params.greedy else
                 round_generator(r.params.seed, len(r.tokens) + step, "verify", self.runner.device) for r in requests]
         drafts = torch.tensor([t for r in requests for t in r.draft_token_ids] if step == 0 else [],
-                              dtype=torch.long, device=logits.device)
+                              dtype=torch.long)  # on the host: the sampler reads them there
         probs = [r.draft_probs for r in requests] if step == 0 else [None] * len(requests)
         return rejection_sample(drafts, ks, probs, torch.cat(rows), [r.params.greedy for r in requests], gens)
 
@@ -154,13 +156,14 @@ class Verifier:
             hidden, _ = self.runner.forward(ids, [[results[b].token_ids[-1]] for b in idx])  # [B', 1, dim]
             hidden = hidden[:, 0]  # [B', dim]
             out = self._sample([requests[b] for b in idx], [0] * len(idx), self.runner.model.logits(hidden), step)
+            feats = hidden.float().cpu()  # [B', dim]
             for j, b in enumerate(idx):  # out: [B', 1]
                 results[b].token_ids.append(int(out[j, 0]))
                 results[b].num_passes += 1
                 # the last step's feature seeds the next draft (one that stops early at a stop token
                 # ends its sequence, which drafts no more); decoding ahead keeps every step's
                 if step == steps[b] - 1 or features is not None:
-                    results[b].feature = hidden[j].float().cpu().clone()
+                    results[b].feature = feats[j].clone()
                 if features is not None:
                     features[b].append(results[b].feature)
             self.passes += 1

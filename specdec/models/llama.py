@@ -10,11 +10,13 @@ Weights come from an HF `LlamaForCausalLM`-shaped state dict (Llama, SmolLM2, Qw
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 @dataclass
@@ -185,6 +187,12 @@ class BatchIndex:
         self.valid = valid.to(device)
 
 
+# On Hopper and newer, torch sends attention with a mask to cuDNN first, which builds a plan for
+# every new shape (~30 ms each on the lent H200); decoding meets a new context length every step
+# and a new (batch, tokens) shape with every K, so those plans were most of a round's time there.
+_NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 class Transformer(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
@@ -212,8 +220,9 @@ class Transformer(nn.Module):
         cos_t, sin_t = self.rope_tables(x.device, x.dtype)
         cos = cos_t[batch.rope_pos].unsqueeze(2)  # [B, T, 1, hd]
         sin = sin_t[batch.rope_pos].unsqueeze(2)
-        for layer, (kc, vc) in zip(self.layers, caches):
-            x = layer(x, cos, sin, LayerKV(kc, vc, batch), batch.mask)
+        with sdpa_kernel(_NOT_CUDNN) if x.is_cuda else contextlib.nullcontext():
+            for layer, (kc, vc) in zip(self.layers, caches):
+                x = layer(x, cos, sin, LayerKV(kc, vc, batch), batch.mask)
         return x
 
     def logits(self, hidden: Tensor) -> Tensor:

@@ -35,10 +35,12 @@ class DraftModelProposer:
         for step in range(max(requests[i].num_speculative_tokens for i in live)):
             logits = self.runner.last_logits(ids, [[t] for t in step_inputs])  # [B, V]
             next_tokens = []
+            # the greedy rows' argmax in one op and one copy to the host (one per row would wait on the device each time)
+            argmax = logits.argmax(dim=-1).tolist() if any(requests[i].params.greedy for i in live) else None
             for row, i in enumerate(live):
                 p = requests[i].params
                 if p.greedy:
-                    tok = int(logits[row].argmax())
+                    tok = argmax[row]
                 else:
                     q = logits_to_probs(logits[row : row + 1], p)[0]  # [V]
                     tok = int(torch.multinomial(q, 1, generator=gens[i]))
