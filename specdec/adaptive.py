@@ -6,16 +6,20 @@ E(K) = 1 + a_1 + a_1 a_2 + ... + a_1...a_K tokens per verifier pass. The a_i are
 all sequences; a sequence's own record scales them, and a request with no record yet is expected
 to do what requests did in their first drafting round (the overall rate leans on the requests
 that drafted most, the ones that accept best). A round costs one draft call (a fixed
-part, e.g. an RPC, plus a part per sequence-step) and one verifier pass over all the batch's
-tokens. Both are measured online: the verify cost as a curve over tokens per pass (it is flat
-while the weights' memory traffic dominates and steep once a big batch makes it compute-bound,
-so no single line fits both 1 user and 16), the draft cost as a line. K = 0 is chosen whenever
-speculation would not pay; a probe round now and then keeps the estimates fresh so speculation
+part, e.g. an RPC, a part per step and a part per sequence-step) and one verifier pass over all
+the batch's tokens. Both are measured online: the verify cost as a curve over tokens per pass (it
+is flat while the weights' memory traffic dominates and steep once a big batch makes it
+compute-bound, so no single line fits both 1 user and 16), the draft cost as a plane in K and
+K x batch (a GPU's launch-bound draft step costs the same for 1 sequence or 16; this CPU's grows
+with them). K = 0 is chosen whenever speculation would not pay; a probe round now and then keeps the estimates fresh so speculation
 can come back, less and less often while probes keep saying no. Acceptance depends on the
 prompt far more than on the draft's average (extractive and list prompts accept 2-3x what chat
 does), so every new request is also probed once, at its first round that can draft. A probe,
 of either kind, is made only when it would pay were the drafts accepted at a high rate: in a
-batch big enough to make the pass compute-bound it cannot, and waits for the load to fall. Drafts
+batch big enough to make the pass compute-bound it cannot, and waits for the load to fall. The
+costs it would pay are read hopefully where nothing measured them (a pass longer than any seen
+follows the measured slope, not the prior's; a many-sequence draft call is priced per step until
+calls at two batch sizes tell), or the probe that would measure them never pays. Drafts
 copied by prompt lookup are free to make and accepted very unevenly (near 1 in an extractive
 answer, near 0 elsewhere), so they have their own acceptance model and their own K, chosen
 together with the model's K because both share the verifier pass.
@@ -34,6 +38,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 class LinearFit:
@@ -60,6 +66,70 @@ class LinearFit:
         return max(a + b * x, 1e-6)
 
 
+class DraftCost:
+    """Seconds per draft call = a + b K + c K B, for K draft steps over B sequences: a fixed part
+    (the call, batch set-up), a part per step and a part per sequence-step. On this CPU a step's
+    cost grows with the sequences in it (compute); on a GPU a small draft model is launch-bound
+    and a step costs about the same for 1 sequence or 16. A line in K x B alone, learned from
+    1-user calls, priced a 16-user call on the lent H200 at many times its cost, and adaptive K
+    never drafted there (session 13). Telling b from c needs calls at two batch sizes; until the
+    calls seen span them, the line in K x B (the CPU's case, and the cautious one for a bigger
+    batch) prices every call. Exponentially weighted least squares, b and c kept >= 0."""
+
+    def __init__(self, a: float, c: float, decay: float = 0.97, min_batch_spread: float = 0.5):
+        self.line = LinearFit(a, c, decay)  # seconds vs K x B
+        self.decay = decay
+        self.min_batch_spread = min_batch_spread  # weighted std of B the calls must show before b and c are told apart
+        self.sff = [[0.0] * 3 for _ in range(3)]  # weighted sums of f f^T, f = (1, K, K B)
+        self.sfy = [0.0] * 3
+        self.sb = self.sbb = 0.0  # weighted sums of B and B^2
+        self.coef: tuple[float, float, float] | None = None
+
+    def observe(self, batch: int, k: int, y: float) -> None:
+        self.line.observe(k * batch, y)
+        d, f = self.decay, (1.0, float(k), float(k * batch))
+        for i in range(3):
+            self.sfy[i] = d * self.sfy[i] + f[i] * y
+            for j in range(3):
+                self.sff[i][j] = d * self.sff[i][j] + f[i] * f[j]
+        self.sb, self.sbb = d * self.sb + batch, d * self.sbb + batch * batch
+        self.coef = self._solve()
+
+    def _solve(self) -> tuple[float, float, float] | None:
+        w = self.sff[0][0]
+        if self.sbb / w - (self.sb / w) ** 2 < self.min_batch_spread ** 2:
+            return None
+        best, best_err = None, None
+        for keep in ((0, 1, 2), (0, 1), (0, 2), (0,)):  # b, c >= 0: the best fit among the feasible subsets
+            m = np.array([[self.sff[i][j] for j in keep] for i in keep])
+            if np.linalg.cond(m) > 1e9:  # e.g. calls at only two (K, B) points: three terms are not determined
+                continue
+            sol = np.linalg.solve(m, np.array([self.sfy[i] for i in keep]))
+            theta = [0.0, 0.0, 0.0]
+            for i, v in zip(keep, sol):
+                theta[i] = float(v)
+            if theta[1] < 0 or theta[2] < 0:
+                continue
+            # weighted squared error up to a constant: theta' S theta - 2 theta' r
+            err = sum(theta[i] * self.sff[i][j] * theta[j] for i in range(3) for j in range(3)) \
+                - 2 * sum(t * r for t, r in zip(theta, self.sfy))
+            if best_err is None or err < best_err:
+                best, best_err = tuple(theta), err
+        return best
+
+    def optimistic(self, batch: int, k: int) -> float:
+        """For deciding a probe: while b and c are not told apart, a call over many sequences is
+        priced like one over a single sequence (the launch-bound case), so that the probe that
+        would show the difference is made where it could pay; measured, the fit prices it."""
+        return self(batch if self.coef is not None else 1, k)
+
+    def __call__(self, batch: int, k: int) -> float:
+        if self.coef is None:
+            return self.line(k * batch)
+        a, b, c = self.coef
+        return max(a + b * k + c * k * batch, 1e-6)
+
+
 class CostCurve:
     """Seconds per pass vs tokens in the pass, learned online: an EMA at every size seen, linear
     in between. Outside the sizes seen, the prior's shape is scaled to the nearest measurement
@@ -77,7 +147,9 @@ class CostCurve:
         old = self.points.get(x)
         self.points[x] = y if old is None else old + self.new_weight * (y - old)
 
-    def __call__(self, x: int) -> float:
+    def __call__(self, x: int, optimistic: bool = False) -> float:
+        """optimistic: past the biggest size seen, the line through the two biggest (flat if one),
+        not the prior's shape: what a probe may hope for."""
         if x in self.points:
             return self.points[x]
         if not self.points:
@@ -87,6 +159,10 @@ class CostCurve:
         if lo is not None and hi is not None:
             w = (x - lo) / (hi - lo)
             return (1 - w) * self.points[lo] + w * self.points[hi]
+        if hi is None and optimistic:  # the slope of the two biggest sizes seen, else flat
+            top = sorted(self.points)[-2:]
+            slope = (self.points[top[-1]] - self.points[top[0]]) / (top[-1] - top[0]) if len(top) == 2 else 0.0
+            return self.points[lo] + max(slope, 0.0) * (x - lo)
         near = lo if lo is not None else hi
         return self.points[near] * self.prior(x) / self.prior(near)
 
@@ -160,7 +236,7 @@ class AdaptiveK:
     prior_weight: float = 4.0  # pseudo-drafts behind the prior in each sequence's estimate
     verify_prior: tuple[float, float] = (0.06, 0.01)  # s per verifier pass = a + b * tokens, until measured
     ema_decay: float = 0.995  # per drafted token: how fast the global acceptance estimate forgets
-    draft_cost: LinearFit = field(default_factory=lambda: LinearFit(0.002, 0.0015))  # s per draft call vs K x batch
+    draft_cost: DraftCost = field(default_factory=lambda: DraftCost(0.002, 0.0015))  # s per draft call vs K and batch
     _rounds_at_zero: int = 0
     _probe_wait: int = 0  # current rounds between probes (0 = probe_every)
     _probing: bool = False  # the last choice was a forced probe
@@ -180,7 +256,11 @@ class AdaptiveK:
         # drafts most where acceptance is best, so it overstates a new request's prospects
         self.first = acc()
 
-    def verify_cost(self, batch: int, tokens: int) -> float:
+    def verify_cost(self, batch: int, tokens: int, optimistic: bool = False) -> float:
+        """optimistic: a pass longer than any measured at its batch size costs what the longest
+        ones' slope says (for deciding a probe: on a GPU the curve stays flat far past where this
+        CPU's rises, and priced by the prior's CPU-like slope, the probe that would show it never
+        paid)."""
         curve = self._verify_by_batch.get(batch)
         if curve is None:  # a batch size not seen yet: the nearest one seen, scaled
             if not self._verify_by_batch:
@@ -192,13 +272,13 @@ class AdaptiveK:
             # free; measured, such calls cost 1.2-1.6 plain passes)
             plain, plain_near = self._multi_step_pass.get(batch), self._multi_step_pass.get(near)
             scale = plain / plain_near if plain and plain_near else batch / near
-            cost = self._verify_by_batch[near](round(tokens * near / batch)) * scale
+            cost = self._verify_by_batch[near](round(tokens * near / batch), optimistic) * scale
             if batch > near and tokens > batch:
                 # bigger than any batch measured: it may be compute-bound, where a draft token
                 # costs as much as a sequence's own (a small batch's flat curve says nothing of it)
                 cost = max(cost, self.verify_cost(batch, batch) * tokens / batch)
             return cost
-        return curve(tokens)
+        return curve(tokens, optimistic)
 
     def _plain_pass_cost(self, batch: int) -> float | None:
         """Seconds per pass of a multi-step plain call at this batch size (None: no such calls).
@@ -278,27 +358,35 @@ class AdaptiveK:
         def ks_for(k: int, kl: int) -> list[int]:
             return [min(kl if m else k, c) for m, c in zip(lk, caps)]
 
-        def rate_of(ks: list[int], gain_rows: list[list[float]]) -> float:
+        def rate_of(ks: list[int], gain_rows: list[list[float]], optimistic: bool = False) -> float:
             tokens = sum(e[ki] for e, ki in zip(gain_rows, ks))
             k_model = max((ki for ki, m in zip(ks, lk) if not m), default=0)
             n_drafting = sum(1 for ki, m in zip(ks, lk) if ki and not m)
             if not any(ks) and (plain := self._plain_pass_cost(B)) is not None:
                 return tokens / plain
-            t = self.verify_cost(B, sum(ks) + B) + (self.draft_cost(k_model * n_drafting) if k_model else 0.0)
+            draft_cost = self.draft_cost.optimistic if optimistic else self.draft_cost
+            t = self.verify_cost(B, sum(ks) + B, optimistic) + (draft_cost(n_drafting, k_model) if k_model else 0.0)
             return tokens / t
 
         @functools.cache  # evaluated for every (k, kl) pair, then again for the checks below
         def rate(k: int, kl: int) -> float:
             return rate_of(ks_for(k, kl), gains)
 
-        def probe_pays(probed: list[bool]) -> bool:
+        def probe_pays(probed: list[bool], k_probe: int) -> bool:
             """Could speculation pay for the probed sequences at some K if their drafts were
             accepted at probe_optimism? In a big batch the pass is compute-bound and every
-            sequence waits for the draft call: then a probe can only lose, whatever it finds."""
+            sequence waits for the draft call: then a probe can only lose, whatever it finds.
+            Costs are the learned ones at every K, or, at the probe's own K, read hopefully
+            where unmeasured: the probe measures exactly those, so the hope is tested once (hope
+            at a deeper K, which the probe would not measure, would justify every later probe)."""
             opt = [sum(self.probe_optimism ** i for i in range(k + 1)) for k in range(self.k_max + 1)]  # E(k)
             rows, others = [opt if p else g for p, g in zip(probed, gains)], ks_for(0, best_l)
-            return any(rate_of([min(k, c) if p else o for p, c, o in zip(probed, caps, others)], rows)
-                       >= (1 + self.min_gain) * rate(0, best_l) for k in range(1, limit + 1))
+            bar = (1 + self.min_gain) * rate(0, best_l)
+
+            def pays(k: int, optimistic: bool = False) -> bool:
+                return rate_of([min(k, c) if p else o for p, c, o in zip(probed, caps, others)], rows, optimistic) >= bar
+
+            return pays(k_probe, optimistic=True) or any(pays(k) for k in range(1, limit + 1))
 
         limit = min(self.k_max, max((c for c, m in zip(caps, lk) if not m), default=0))
         limit_l = min(self.k_max, max((c for c, m in zip(caps, lk) if m), default=0))
@@ -320,12 +408,12 @@ class AdaptiveK:
             first = next(i for i, (n, c, m) in enumerate(zip(new, caps, lk)) if n and c and not m)
             probed = [i == first for i in range(B)]
             ks = [min(self.first_probe_k, c) if p else ki for p, c, ki in zip(probed, caps, ks_for(0, best_l))]
-            if self._unmeasured(B) or probe_pays(probed):
+            if self._unmeasured(B) or probe_pays(probed, self.first_probe_k):
                 return ks
         if best == 0 and limit > 0:
             self._rounds_at_zero += 1
             if self._rounds_at_zero >= (self._probe_wait or self.probe_every) and not prefilling and \
-                    (self._unmeasured(B) or probe_pays([not m for m in lk])):  # else: probe once the load allows
+                    (self._unmeasured(B) or probe_pays([not m for m in lk], 1)):  # else: probe once the load allows
                 self._rounds_at_zero, best, self._probing = 0, 1, True
         else:
             self._rounds_at_zero = 0
@@ -336,7 +424,7 @@ class AdaptiveK:
         return {"verify_s_by_batch": {b: {t: round(y, 4) for t, y in sorted(c.points.items())}
                                       for b, c in sorted(self._verify_by_batch.items())},
                 "multi_step_pass_s": {b: round(y, 4) for b, y in sorted(self._multi_step_pass.items())},
-                "draft_s_per_call": {n: round(self.draft_cost(n), 4) for n in (1, 4, 16)},
+                "draft_s_per_call": {f"K={k} B={b}": round(self.draft_cost(b, k), 4) for k, b in ((1, 1), (4, 1), (1, 16), (4, 16))},
                 "model_acceptance_by_position": [round(a, 3) for a in self.model.positions()],
                 "first_round_acceptance": round(self.first.overall(), 3),
                 "lookup_acceptance_by_position": [round(a, 3) for a in self.lookup.positions()]}
@@ -364,4 +452,4 @@ class AdaptiveK:
 
     def observe_draft(self, batch: int, steps: int, seconds: float) -> None:
         if steps:
-            self.draft_cost.observe(batch * steps, seconds)
+            self.draft_cost.observe(batch, steps, seconds)

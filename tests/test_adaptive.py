@@ -1,7 +1,7 @@
 """Adaptive K: follows acceptance and measured costs, turns speculation off when it cannot pay,
 probes to come back, and never changes greedy output."""
 from conftest import make_engine, ragged_prompts
-from specdec.adaptive import AdaptiveK, CostCurve, LinearFit
+from specdec.adaptive import AdaptiveK, CostCurve, DraftCost, LinearFit
 from specdec.models.tiny import noisy_copy
 from specdec.sampling import SamplingParams
 
@@ -317,3 +317,84 @@ def test_no_speculation_at_a_batch_size_until_its_plain_pass_is_measured():
     ak.observe_verify(16, 16, 0.12, steps=4)
     assert ak.choose([0.3] * 16, [4] * 16) == [0] * 16
     assert ak.choose([0.95] * 16, [4] * 16) != [0] * 16  # at high acceptance it would pay
+
+
+def test_draft_cost_tells_a_per_step_cost_from_a_per_sequence_one():
+    """A draft call costs a + b K + c K B. With calls at one batch size only, b and c cannot be
+    told apart and a line in K x B prices a bigger batch (cautious, right on this CPU); with calls
+    at two, the fit does: launch-bound (a GPU's small draft model) or compute-bound (this CPU)."""
+    gpu, cpu = DraftCost(0.002, 0.0015), DraftCost(0.002, 0.0015)
+    for _ in range(30):
+        for k in (1, 2, 4, 8):
+            gpu.observe(1, k, 0.001 + 0.0016 * k)
+            cpu.observe(1, k, 0.015 + 0.004 * k)
+    assert abs(gpu(16, 2) - (0.001 + 0.0016 * 32)) < 2e-3  # one batch size seen: the line in K x B
+    assert abs(gpu.optimistic(16, 2) - gpu(1, 2)) < 1e-9  # a probe may hope for the per-step case
+    for _ in range(30):
+        for k in (1, 2):
+            gpu.observe(4, k, 0.001 + 0.0016 * k + 0.00002 * 4 * k)
+            cpu.observe(4, k, 0.015 + 0.004 * 4 * k)
+    assert abs(gpu(16, 2) - (0.001 + 0.0032 + 0.00064)) < 5e-4
+    assert abs(cpu(16, 2) - (0.015 + 0.004 * 32)) < 2e-3
+    assert gpu.optimistic(16, 2) == gpu(16, 2)  # measured: no more hoping
+
+
+def test_on_a_gpu_a_big_batch_probes_once_and_then_speculates():
+    """The lent H200, session 13: the verify cost is flat to 16 tokens per sequence and a draft
+    step costs the same for 1 sequence or 16, but with draft calls seen at 1 user only and no
+    16-user pass longer than 18 tokens, speculating at 16 users was priced by the CPU-like prior
+    and a line in K x B, and never tried. A probe is now priced optimistically (the measured
+    curve's slope, the per-step draft cost): it is made, and what it measures makes K > 0 pay.
+    On this CPU's costs the same probe is made once and speculation stays off."""
+    def run(verify, draft):
+        ak = AdaptiveK(k_max=4)
+        for _ in range(20):
+            for t in (1, 3, 5):
+                ak.observe_verify(1, t, verify(t))
+            ak.observe_verify(16, 16, verify(16) * 1.05)
+            ak.observe_verify(16, 18, verify(18) * 1.05)
+            for k in (2, 4):
+                ak.observe_draft(1, k, draft(1, k))
+            ak.observe_round([(4, 3)])  # acceptance ~0.7
+        chosen = []
+        for _ in range(3 * ak.probe_every):
+            ks = ak.choose([0.7] * 16, [4] * 16)
+            if any(ks):
+                ak.observe_verify(16, 16 + sum(ks), verify(16 + sum(ks)) * 1.05)
+                ak.observe_draft(16, max(ks), draft(16, max(ks)))
+            chosen.append(max(ks))
+        return chosen
+
+    gpu = run(lambda t: 0.0075 + 0.00002 * t, lambda b, k: 0.001 + 0.0016 * k + 0.00002 * b * k)
+    assert gpu[0] == 0 and gpu[-1] > 0  # probed, then speculating
+    cpu = run(lambda t: 0.05 + 0.005 * t, lambda b, k: 0.015 + 0.004 * b * k)
+    assert sum(k > 0 for k in cpu) <= 1 and cpu[-1] == 0
+
+
+def test_draft_cost_with_too_few_distinct_calls_keeps_to_what_they_determine():
+    """Calls at two (K, B) points only (1-user K=2 probes and one 16-user K=1 probe, as in Serve):
+    three terms are not determined, so the fit keeps to two that are (on these CPU-like costs:
+    fixed and per sequence-step), not a near-singular solution."""
+    cost = DraftCost(0.002, 0.0015)
+    for _ in range(20):
+        cost.observe(1, 2, 0.015 + 0.004 * 2)
+    cost.observe(16, 1, 0.015 + 0.004 * 16)
+    assert cost.coef is not None and all(abs(v) < 1 for v in cost.coef)
+    assert abs(cost(16, 1) - 0.079) < 1e-3 and abs(cost(1, 2) - 0.023) < 1e-3
+
+
+def test_a_probe_is_not_justified_by_hope_at_a_depth_it_would_not_measure():
+    """Serve at 4 users, session 13's costs: 4-step plain passes 0.063 s, a one-pass call with a
+    2-draft probe 0.099 s, draft calls at 1 user. Were the verify cost past 6 tokens read hopefully
+    (flat) at every K, a deep K would seem to pay, the K=2 probe would never measure past 6
+    tokens, and every new request would be probed (9 drafting rounds a level, 0.96x K=0 paired,
+    against 1 before): hope is only for the pass the probe itself makes."""
+    ak = AdaptiveK(k_max=8)
+    ak.observe_verify(4, 4, 0.063, steps=4)
+    ak.observe_verify(1, 1, 0.047, steps=4)
+    for _ in range(10):
+        ak.observe_verify(4, 6, 0.099)
+        for t in (1, 3, 5, 9):
+            ak.observe_verify(1, t, 0.06 + 0.004 * t)
+        ak.observe_draft(1, 2, 0.02)
+    assert ak.choose([0.3] * 4, [8] * 4, new=[True, False, False, False]) == [0] * 4

@@ -188,7 +188,7 @@ class BatchIndex:
 
 
 # On Hopper and newer, torch sends attention with a mask to cuDNN first, which builds a plan for
-# every new shape (~30 ms each on the lent H200); decoding meets a new context length every step
+# every new shape (20-40 ms each on the lent H200); decoding meets a new context length every step
 # and a new (batch, tokens) shape with every K, so those plans were most of a round's time there.
 _NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
