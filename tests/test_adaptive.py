@@ -398,3 +398,19 @@ def test_a_probe_is_not_justified_by_hope_at_a_depth_it_would_not_measure():
             ak.observe_verify(1, t, 0.06 + 0.004 * t)
         ak.observe_draft(1, 2, 0.02)
     assert ak.choose([0.3] * 4, [8] * 4, new=[True, False, False, False]) == [0] * 4
+
+
+def test_the_decision_rules_find_a_gpus_gain_at_every_load_and_stay_off_on_this_cpu():
+    """bench/adaptive_sim.py: the H200's shape of costs with a code-like draft gains at 1, 4 and 16
+    users; this CPU's shape never costs more than a few % against K=0."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "adaptive_sim.py"
+    spec = importlib.util.spec_from_file_location("adaptive_sim", path)
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    gpu = sim.simulate("h200", 0.66)
+    assert all(gpu[u]["vs_k0"] > 1.05 for u in (1, 4, 16)), gpu
+    cpu = sim.simulate("cpu", 0.37)
+    assert all(cpu[u]["vs_k0"] > 0.96 for u in (1, 4, 16)), cpu
