@@ -9,9 +9,9 @@ that drafted most, the ones that accept best). A round costs one draft call (a f
 part, e.g. an RPC, a part per step and a part per sequence-step) and one verifier pass over all
 the batch's tokens. Both are measured online: the verify cost as a curve over tokens per pass (it
 is flat while the weights' memory traffic dominates and steep once a big batch makes it
-compute-bound, so no single line fits both 1 user and 16), the draft cost as a plane in K and
-K x batch (a GPU's launch-bound draft step costs the same for 1 sequence or 16; this CPU's grows
-with them). K = 0 is chosen whenever speculation would not pay; a probe round now and then keeps the estimates fresh so speculation
+compute-bound, so no single line fits both 1 user and 16), the draft cost as a line in
+K x batch (and, for probes, a plane in K and K x batch: a GPU's launch-bound draft step costs
+the same for 1 sequence or 16; this CPU's grows with them). K = 0 is chosen whenever speculation would not pay; a probe round now and then keeps the estimates fresh so speculation
 can come back, less and less often while probes keep saying no. Acceptance depends on the
 prompt far more than on the draft's average (extractive and list prompts accept 2-3x what chat
 does), so every new request is also probed once, at its first round that can draft. A probe,
@@ -67,14 +67,17 @@ class LinearFit:
 
 
 class DraftCost:
-    """Seconds per draft call = a + b K + c K B, for K draft steps over B sequences: a fixed part
-    (the call, batch set-up), a part per step and a part per sequence-step. On this CPU a step's
-    cost grows with the sequences in it (compute); on a GPU a small draft model is launch-bound
-    and a step costs about the same for 1 sequence or 16. A line in K x B alone, learned from
-    1-user calls, priced a 16-user call on the lent H200 at many times its cost, and adaptive K
-    never drafted there (session 13). Telling b from c needs calls at two batch sizes; until the
-    calls seen span them, the line in K x B (the CPU's case, and the cautious one for a bigger
-    batch) prices every call. Exponentially weighted least squares, b and c kept >= 0."""
+    """Seconds per draft call for K draft steps over B sequences. Choices price it by a line in
+    K x B (per sequence-step: this CPU's case, and the cautious one). Probes price it by
+    a + b K + c K B, a fixed part (the call, batch set-up), a part per step and a part per
+    sequence-step, fitted by exponentially weighted least squares (b, c >= 0) once calls at two
+    batch sizes tell b from c, and until then as the per-step case: on a GPU a small draft model
+    is launch-bound and a step costs about the same for 1 sequence or 16, and a line learned from
+    1-user calls priced a 16-user call on the lent H200 at many times its cost, so the probe that
+    would show otherwise never paid (session 13). Why choices keep the line: in Serve on this CPU
+    the fit (rightly) found a draft call for 4 sequences no dearer than for 1 (the call is mostly
+    RPC), and K=1 for all at 4 users then looked like a 3-10 % gain; made for 39 rounds, it lost
+    7 % against K=0 (one run; session 13)."""
 
     def __init__(self, a: float, c: float, decay: float = 0.97, min_batch_spread: float = 0.5):
         self.line = LinearFit(a, c, decay)  # seconds vs K x B
@@ -118,16 +121,17 @@ class DraftCost:
         return best
 
     def optimistic(self, batch: int, k: int) -> float:
-        """For deciding a probe: while b and c are not told apart, a call over many sequences is
-        priced like one over a single sequence (the launch-bound case), so that the probe that
-        would show the difference is made where it could pay; measured, the fit prices it."""
-        return self(batch if self.coef is not None else 1, k)
-
-    def __call__(self, batch: int, k: int) -> float:
+        """For deciding a probe: the fit, or while b and c are not told apart, a call over many
+        sequences priced like one over a single sequence (the launch-bound case), so that the
+        probe that would show the difference is made where it could pay."""
         if self.coef is None:
-            return self.line(k * batch)
+            return self.line(k)
         a, b, c = self.coef
         return max(a + b * k + c * k * batch, 1e-6)
+
+    def __call__(self, batch: int, k: int) -> float:
+        """For choosing K: the line in K x B."""
+        return self.line(k * batch)
 
 
 class CostCurve:
