@@ -11,7 +11,8 @@ the batch's tokens. Both are measured online: the verify cost as a curve over to
 is flat while the weights' memory traffic dominates and steep once a big batch makes it
 compute-bound, so no single line fits both 1 user and 16), the draft cost as a line in
 K x batch (and, for probes, a plane in K and K x batch: a GPU's launch-bound draft step costs
-the same for 1 sequence or 16; this CPU's grows with them). K = 0 is chosen whenever speculation would not pay; a probe round now and then keeps the estimates fresh so speculation
+the same for 1 sequence or 16; this CPU's grows with them). K = 0 is chosen whenever
+speculation would not pay; a probe round now and then keeps the estimates fresh so speculation
 can come back, less and less often while probes keep saying no. Acceptance depends on the
 prompt far more than on the draft's average (extractive and list prompts accept 2-3x what chat
 does), so every new request is also probed once, at its first round that can draft. A probe,
@@ -388,7 +389,8 @@ class AdaptiveK:
             bar = (1 + self.min_gain) * rate(0, best_l)
 
             def pays(k: int, optimistic: bool = False) -> bool:
-                return rate_of([min(k, c) if p else o for p, c, o in zip(probed, caps, others)], rows, optimistic) >= bar
+                ks = [min(k, c) if p else o for p, c, o in zip(probed, caps, others)]
+                return rate_of(ks, rows, optimistic) >= bar
 
             return pays(k_probe, optimistic=True) or any(pays(k) for k in range(1, limit + 1))
 
@@ -428,7 +430,8 @@ class AdaptiveK:
         return {"verify_s_by_batch": {b: {t: round(y, 4) for t, y in sorted(c.points.items())}
                                       for b, c in sorted(self._verify_by_batch.items())},
                 "multi_step_pass_s": {b: round(y, 4) for b, y in sorted(self._multi_step_pass.items())},
-                "draft_s_per_call": {f"K={k} B={b}": round(self.draft_cost(b, k), 4) for k, b in ((1, 1), (4, 1), (1, 16), (4, 16))},
+                "draft_s_per_call": {f"K={k} B={b}": round(self.draft_cost(b, k), 4)
+                                     for k, b in ((1, 1), (4, 1), (1, 16), (4, 16))},
                 "model_acceptance_by_position": [round(a, 3) for a in self.model.positions()],
                 "first_round_acceptance": round(self.first.overall(), 3),
                 "lookup_acceptance_by_position": [round(a, 3) for a in self.lookup.positions()]}

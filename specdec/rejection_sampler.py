@@ -38,8 +38,8 @@ def rejection_sample(
     g_rows = [starts[b] + j for b in range(B) if greedy[b] for j in range(num_draft_tokens[b] + 1)]
     best = {}  # target row -> its argmax
     if g_rows:
-        rows = target if len(g_rows) == target.shape[0] else target[g_rows]
-        best = dict(zip(g_rows, rows.argmax(dim=-1).tolist()))
+        g_target = target if len(g_rows) == target.shape[0] else target[g_rows]
+        best = dict(zip(g_rows, g_target.argmax(dim=-1).tolist()))
     drafts_all = draft_token_ids.tolist()
     out = []
     d0 = 0
@@ -51,10 +51,12 @@ def rejection_sample(
             n = next((j for j in range(k) if drafts[j] != argmax[j]), k)  # accepted drafts
             out.append(argmax[: n + 1])  # accepted tokens equal the argmax, then the recovered or bonus argmax
         else:
-            out.append(_sampled(draft_token_ids[d0 : d0 + k], draft_probs[b], target[t0 : t0 + k + 1], generators[b]).tolist())
+            rows = target[t0 : t0 + k + 1]  # [K+1, V]
+            out.append(_sampled(draft_token_ids[d0 : d0 + k], draft_probs[b], rows, generators[b]).tolist())
         d0 += k
     width = max(num_draft_tokens, default=0) + 1
-    return torch.tensor([row + [PLACEHOLDER_TOKEN_ID] * (width - len(row)) for row in out], dtype=torch.long).view(B, width)
+    padded = [row + [PLACEHOLDER_TOKEN_ID] * (width - len(row)) for row in out]
+    return torch.tensor(padded, dtype=torch.long).view(B, width)
 
 
 def _sampled(drafts: Tensor, q: Tensor | None, p: Tensor, gen: torch.Generator | None) -> Tensor:
