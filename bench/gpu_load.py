@@ -32,13 +32,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specdec.config import EngineConfig  # noqa: E402
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_check  # noqa: E402
 from specdec.engine import SpecEngine, summarize  # noqa: E402
 from specdec.models.llama import ModelArgs, Transformer  # noqa: E402
-from specdec.models.runner import ModelRunner  # noqa: E402
-from specdec.proposers import DraftModelProposer  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
-from specdec.verifier import Verifier  # noqa: E402
 
 LLAMA_1B = ModelArgs(vocab_size=49152, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, intermediate_size=8192,
                      rope_theta=500000.0, max_position=4096, tie_embeddings=False)
@@ -81,10 +80,9 @@ def scaled_pair(target: Transformer, base: dict, draft_layers: int, scale: float
     return target, draft.eval()
 
 
-def engine(target, draft, k: int, adaptive: bool, max_len: int) -> SpecEngine:
-    runner = lambda m: ModelRunner(m, 16, max_len, prefix_caching=False)  # noqa: E731
-    return SpecEngine(Verifier(runner(target)), DraftModelProposer(runner(draft)), None,
-                      EngineConfig(num_speculative_tokens=k, adaptive=adaptive, max_batch_size=16, lookup_min_n=0))
+def engine(target, draft, k: int, adaptive: bool = False) -> SpecEngine:
+    # no prefix caching: every row reruns the same prompts; no prompt lookup: random prompts
+    return gpu_check.engine(target, draft, k, prefix_caching=False, adaptive=adaptive, lookup_min_n=0)
 
 
 def run(eng: SpecEngine, prompts, max_tokens: int, k: int | None) -> dict:
@@ -115,7 +113,7 @@ def profile(eng: SpecEngine, prompts, max_tokens: int, top: int = 14) -> str:
     return buf.getvalue()[-6000:]
 
 
-def calibrate(target, base, draft_layers, prompts, max_tokens, want: float, max_len: int, steps: int) -> dict:
+def calibrate(target, base, draft_layers, prompts, max_tokens, want: float, steps: int) -> dict:
     """Bisect log(scale) until the first-position acceptance (K=1, 16 sequences) is near `want`;
     acceptance falls as the scale grows."""
     lo, hi = math.log(1e-3), math.log(2.0)
@@ -123,7 +121,7 @@ def calibrate(target, base, draft_layers, prompts, max_tokens, want: float, max_
     for _ in range(steps):
         scale = math.exp((lo + hi) / 2)
         t, d = scaled_pair(target, base, draft_layers, scale)
-        a1 = run(engine(t, d, 1, False, max_len), prompts, max_tokens, 1)["acceptance_rate"]
+        a1 = run(engine(t, d, 1), prompts, max_tokens, 1)["acceptance_rate"]
         print(f"  scale {scale:.4f}: first-position acceptance {a1:.3f}", flush=True)
         if best is None or abs(a1 - want) < abs(best["a1"] - want):
             best = {"scale": scale, "a1": a1}
@@ -146,7 +144,6 @@ def main() -> int:
     device = torch.device("cpu" if a.small else "cuda")
     dtype = torch.float32 if a.small else torch.bfloat16
     args = SMALL if a.small else LLAMA_1B
-    max_len = 512
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
            "dtype": str(dtype), "model": vars(args), "draft_layers": a.draft_layers, "max_tokens": a.max_tokens,
            "reps": a.reps, "date": time.strftime("%Y-%m-%d %H:%M"), "pairs": []}
@@ -162,11 +159,11 @@ def main() -> int:
                for _ in range(max(a.users))]
     print(f"built {out['params'] / 1e9:.2f}B params in {time.time() - t_begin:.0f}s", flush=True)
     for want in a.targets:
-        cal = calibrate(target, base, a.draft_layers, prompts, 32, want, max_len, steps=5 if a.small else 7)
+        cal = calibrate(target, base, a.draft_layers, prompts, 32, want, steps=5 if a.small else 7)
         t, d = scaled_pair(target, base, a.draft_layers, cal["scale"])
         pair = {"target_first_acceptance": want, **cal, "cells": []}
         out["pairs"].append(pair)
-        engines = {r: engine(t, d, 8 if r == "adaptive" else int(r[1:]), r == "adaptive", max_len) for r in a.rows}
+        engines = {r: engine(t, d, 8 if r == "adaptive" else int(r[1:]), r == "adaptive") for r in a.rows}
         for users in a.users:
             ps = prompts[:users]
             res = {r: [] for r in a.rows}

@@ -87,7 +87,8 @@ class DraftCost:
         self.sff = [[0.0] * 3 for _ in range(3)]  # weighted sums of f f^T, f = (1, K, K B)
         self.sfy = [0.0] * 3
         self.sb = self.sbb = 0.0  # weighted sums of B and B^2
-        self.coef: tuple[float, float, float] | None = None
+        self._coef: tuple[float, float, float] | None = None
+        self._stale = False  # solved on demand: only probes read the fit, drafting rounds observe every call
 
     def observe(self, batch: int, k: int, y: float) -> None:
         self.line.observe(k * batch, y)
@@ -97,7 +98,14 @@ class DraftCost:
             for j in range(3):
                 self.sff[i][j] = d * self.sff[i][j] + f[i] * f[j]
         self.sb, self.sbb = d * self.sb + batch, d * self.sbb + batch * batch
-        self.coef = self._solve()
+        self._stale = True
+
+    @property
+    def coef(self) -> tuple[float, float, float] | None:
+        """(a, b, c), or None while the calls seen do not tell b from c."""
+        if self._stale:
+            self._coef, self._stale = self._solve(), False
+        return self._coef
 
     def _solve(self) -> tuple[float, float, float] | None:
         w = self.sff[0][0]
@@ -125,9 +133,9 @@ class DraftCost:
         """For deciding a probe: the fit, or while b and c are not told apart, a call over many
         sequences priced like one over a single sequence (the launch-bound case), so that the
         probe that would show the difference is made where it could pay."""
-        if self.coef is None:
+        if (coef := self.coef) is None:
             return self.line(k)
-        a, b, c = self.coef
+        a, b, c = coef
         return max(a + b * k + c * k * batch, 1e-6)
 
     def __call__(self, batch: int, k: int) -> float:
