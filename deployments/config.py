@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from typing import Literal
+
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -20,6 +22,7 @@ class AppArgs(BaseModel):
     default_proposer: str = Field("draft", description="Proposer used when a request names none: 'draft', 'ngram' or 'none'.")
     lookup_min_n: int = Field(3, ge=0, le=16, description="Before the draft, try prompt lookup in the ingress: a suffix match of at least this many tokens drafts for free, with no Drafter call (0 = off).")
     prefetch_drafts: bool = Field(False, description="The Verifier gets each round's drafts from the Drafter itself and has the next round's drafted right after its pass: a speculative round is one remote call for the ingress, and drafting overlaps the result's trip back (the drafts are the same as drafting afterwards). Off by default: on a 2-core CPU, adaptive K then drafted more rounds that did not pay, and drafts made for a round that decodes plainly cost CPU (see the README's Serve benchmark).")
+    transport: Literal["grpc", "actor"] = Field("grpc", description="How calls to the model replicas travel: 'grpc' sends those under 1 MB by value over Serve's gRPC transport (a round's call ~2 ms cheaper here, bench/calls.py) and bigger ones (sampled drafts' q rows) by reference; 'actor' sends every call by reference through Ray's object store (Serve's default).")
     device: str = Field("cpu", description="Torch device of the model replicas: 'cpu', 'cuda' or 'auto'.")
     dtype: str = Field("float32", description="Weights dtype: 'float32', 'bfloat16' or 'float16'.")
     num_threads: int = Field(0, ge=0, description="torch CPU threads per Verifier replica (0 = torch default).")

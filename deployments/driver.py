@@ -24,6 +24,7 @@ from specdec.rounds import Round
 from specdec.sequence import Delta, Sequence
 
 from deployments.openai_protocol import APIError
+from deployments.transport import Transport, sampled_drafts, verify_bytes
 
 log = logging.getLogger("ray.serve")
 
@@ -41,8 +42,9 @@ class Entry:
 class RoundLoop:
     def __init__(self, drafter, verifier, max_batch_size: int, num_shards: int = 1, adaptive: AdaptiveK | None = None,
                  verify_retry_s: float = 30.0, drafter_timeout_s: float = 5.0, decode_steps: int = 1,
-                 lookup_min_n: int = 0, observe_call=None, prefetch: bool = False, decode_ahead: bool = False):
-        self.drafter, self.verifier = drafter, verifier
+                 lookup_min_n: int = 0, observe_call=None, prefetch: bool = False, decode_ahead: bool = False,
+                 transport: str = "grpc"):
+        self.drafter, self.verifier = Transport(drafter, transport), Transport(verifier, transport)
         self.max_batch_size, self.num_shards = max_batch_size, num_shards
         self.adaptive = adaptive
         self.verify_retry_s = verify_retry_s
@@ -98,9 +100,9 @@ class RoundLoop:
     def _free(self, e: Entry) -> None:
         self.proposer_of.pop(e.seq.seq_id, None)
         ids = [e.seq.seq_id]
-        self.verifier.options(multiplexed_model_id=e.shard).free.remote(ids)
-        if e.proposer == "draft" and self.drafter is not None:
-            self.drafter.options(multiplexed_model_id=e.shard).free.remote(ids)
+        self.verifier.pick(0).options(multiplexed_model_id=e.shard).free.remote(ids)
+        if e.proposer == "draft" and self.drafter:
+            self.drafter.pick(0).options(multiplexed_model_id=e.shard).free.remote(ids)
 
     async def _shard_loop(self, shard: str) -> None:
         entries, wake = self.shards[shard], self._wake[shard]
@@ -205,10 +207,12 @@ class RoundLoop:
         none = [Proposal([], None) for _ in reqs]
         if not self._drafter_up():
             return none
-        call = self.drafter.options(multiplexed_model_id=shard).propose.remote(reqs)
+        handle = self.drafter.pick(self.drafter.q_bytes(sampled_drafts(reqs)))
+        call = handle.options(multiplexed_model_id=shard).propose.remote(reqs)
         t0 = time.perf_counter()
         try:
             props = await asyncio.wait_for(call, self.drafter_timeout_s)
+            self.drafter.learn(props)
             self.observe_call("Drafter", time.perf_counter() - t0)
             self._drafter_backoff = 1.0
             return props
@@ -223,10 +227,11 @@ class RoundLoop:
         with backoff for up to verify_retry_s: a retry is idempotent (another or a restarted
         replica recomputes from the token lists), so a lost verifier costs time only."""
         give_up, delay = time.monotonic() + self.verify_retry_s, 0.25
+        handle = self.verifier.pick(verify_bytes(reqs)).options(multiplexed_model_id=shard)
         while True:
             t0 = time.perf_counter()
             try:
-                results = await self.verifier.options(multiplexed_model_id=shard).verify.remote(reqs)
+                results = await handle.verify.remote(reqs)
                 return results, time.perf_counter() - t0
             except Exception:
                 self.verifier_failures += 1

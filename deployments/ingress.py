@@ -83,7 +83,7 @@ class OpenAIIngress:
                               self.args.verifier_retry_s, self.args.drafter_timeout_s, self.args.decode_steps,
                               self.args.lookup_min_n, self.metrics.observe_call,
                               prefetch=self.args.prefetch_drafts and drafter is not None,
-                              decode_ahead=self.args.decode_ahead)
+                              decode_ahead=self.args.decode_ahead, transport=self.args.transport)
         self.has_drafter = drafter is not None
         self.created = now()
 

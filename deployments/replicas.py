@@ -16,6 +16,7 @@ import ray
 from ray import serve
 
 from deployments.config import AppArgs
+from deployments.transport import Transport, sampled_drafts
 from specdec.protocol import Proposal
 
 log = logging.getLogger("ray.serve")
@@ -144,7 +145,7 @@ class Verifier(_Replica):
 
         self.args = AppArgs(**args)
         super().__init__(self.args.num_threads)
-        self.drafter = drafter
+        self.drafter = Transport(drafter, self.args.transport)
         # seq_id -> (the ProposeRequest drafted ahead, index in its call, task with the call's proposals)
         self._ahead: OrderedDict[str, tuple] = OrderedDict()
         self.prefetched = self.prefetch_hits = self.draft_failures = 0
@@ -162,7 +163,7 @@ class Verifier(_Replica):
         # decoding ahead for a sequence this call drafts for is wasted: stop it after its current step
         self._no_ahead.update(r.seq_id for r in requests if r.fetch_k or r.draft_token_ids)
         draft_s, failed = 0.0, False
-        if any(r.fetch_k for r in requests) and self.drafter is not None:
+        if any(r.fetch_k for r in requests) and self.drafter:
             t0 = time.perf_counter()
             failed = not await self._fetch_drafts(requests)
             draft_s = time.perf_counter() - t0
@@ -170,7 +171,7 @@ class Verifier(_Replica):
             if not r.fetch_k:  # drafted ahead but not wanted (K went to 0): drop
                 self._ahead.pop(r.seq_id, None)
         results = await self._run(self._verify, requests)
-        if self.drafter is not None:
+        if self.drafter:
             self._prefetch(requests, results)
         if any(r.ahead_steps for r in requests):
             # queued on the compute thread now, so it runs while the results travel back; the
@@ -190,10 +191,13 @@ class Verifier(_Replica):
 
     def _draft(self, reqs) -> asyncio.Task:
         """One Drafter call, as a task several sequences' waits can share."""
-        call = self.drafter.options(multiplexed_model_id=serve.get_multiplexed_model_id()).propose.remote(reqs)
+        handle = self.drafter.pick(self.drafter.q_bytes(sampled_drafts(reqs)))
+        call = handle.options(multiplexed_model_id=serve.get_multiplexed_model_id()).propose.remote(reqs)
 
         async def answer():
-            return await asyncio.wait_for(call, self.args.drafter_timeout_s)
+            props = await asyncio.wait_for(call, self.args.drafter_timeout_s)
+            self.drafter.learn(props)
+            return props
 
         return asyncio.get_running_loop().create_task(answer())
 

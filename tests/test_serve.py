@@ -26,8 +26,9 @@ def server(tmp_path_factory):
     with serve_cluster() as url:
         verifier, drafter = run_app("specdec", "/", {**TINY, "api_keys_file": str(keys)})
         # one decoding step per call keeps a 200-token request well over its 0.5 s timeout
+        # ... and calls its Verifier by reference only (the main app's small calls go by value, gRPC)
         run_app("limited", "/limited", {**TINY, "draft": "none", "rate_limit": "4/minute", "decode_steps": 1,
-                                        "request_timeout_s": 0.5, "api_keys_env": None})
+                                        "request_timeout_s": 0.5, "api_keys_env": None, "transport": "actor"})
         yield {"url": url, "verifier": verifier, "drafter": drafter}
 
 

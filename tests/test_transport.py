@@ -1,0 +1,34 @@
+"""Which way a call to a replica travels (deployments/transport.py), without Ray."""
+import torch
+
+from deployments.transport import Transport, sampled_drafts, verify_bytes
+from specdec.protocol import Proposal, ProposeRequest, VerifyRequest
+from specdec.sampling import SamplingParams
+
+
+class FakeHandle:
+    def __init__(self, by_reference=True):
+        self.by_reference = by_reference
+
+    def options(self, _by_reference=True):
+        return FakeHandle(_by_reference)
+
+
+def test_small_calls_go_by_value_big_ones_by_reference():
+    t = Transport(FakeHandle(), "grpc", max_bytes=1000)
+    assert not t.pick(0).by_reference and not t.pick(1000).by_reference
+    assert t.pick(1001).by_reference
+    assert all(Transport(FakeHandle(), "actor").pick(n).by_reference for n in (0, 10**9))
+    assert not Transport(None)
+
+
+def test_sampled_drafts_count_their_q_rows_once_the_vocabulary_is_known():
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7)
+    reqs = [ProposeRequest("a", [1, 2], 4, greedy), ProposeRequest("b", [1, 2], 3, sampled)]
+    assert sampled_drafts(reqs) == 3
+    t = Transport(FakeHandle(), "grpc", max_bytes=1 << 20)
+    assert t.q_bytes(0) == 0 and t.pick(t.q_bytes(3)).by_reference  # width unknown: assume big
+    t.learn([Proposal([5], None), Proposal([5, 6, 7], torch.zeros(3, 100))])
+    assert t.vocab == 100 and t.q_bytes(3) == 1200 and not t.pick(t.q_bytes(3)).by_reference
+    vreqs = [VerifyRequest("a", [1], [5, 6], torch.zeros(2, 100), sampled), VerifyRequest("b", [1], [], None, greedy)]
+    assert verify_bytes(vreqs) == 800
