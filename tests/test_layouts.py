@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from specdec.models.layouts import decide, describe, packing_available, tune_layouts
+from specdec.models import layouts
+from specdec.models.layouts import decide, describe, dnn_available, packing_available, tune_layouts
 from specdec.models.llama import Linear
 
 
@@ -48,3 +49,32 @@ def test_decide_covers_every_row_count(tiny_target):
     for m in tiny_target.modules():  # leave the shared fixture as it was
         if isinstance(m, Linear):
             m.set_kernels("")
+
+
+@pytest.mark.skipif(not dnn_available(), reason="needs torch built with oneDNN")
+def test_onednn_kernel_serves_every_row_count():
+    lin = _linear()
+    lin.set_kernels("tdd")  # oneDNN from 1 row on, its one packed copy for any count
+    assert lin._dnn is not None and lin._w is None and not lin._packed
+    for rows in (1, 2, 3, 7, 40):
+        x = torch.randn(2, rows, 64)
+        assert torch.allclose(lin(x), x @ lin.weight_t + lin.bias, atol=1e-4)
+
+
+def test_budget_pays_one_onednn_copy_per_weight_and_falls_back_beyond_it(monkeypatch):
+    """An MKL packing costs a copy per row count, a oneDNN one a copy per weight; a choice
+    that does not fit falls back to the best kernel without a copy."""
+    weight_bytes = 48 * 32 * 4
+    model = torch.nn.Sequential(Linear(48, 32), Linear(48, 32))  # one shape, two weights
+    monkeypatch.setattr(layouts, "decide", lambda *a, **k: ("tdddd", "ttwww"))
+    kept = tune_layouts(model, max_rows=4, pack_budget_bytes=2 * weight_bytes)  # room for the one copy
+    assert list(kept.values()) == ["tdddd"]
+    short = tune_layouts(model, max_rows=4, pack_budget_bytes=weight_bytes)  # half of it: none
+    assert list(short.values()) == ["ttwww"]
+    monkeypatch.setattr(layouts, "decide", lambda *a, **k: ("tpddd", "ttwww"))
+    mixed = tune_layouts(model, max_rows=4, pack_budget_bytes=4 * weight_bytes)  # 1 row's packing + oneDNN
+    assert list(mixed.values()) == ["tpddd"]
+    tight = tune_layouts(model, max_rows=4, pack_budget_bytes=3 * weight_bytes)  # the fewest rows first
+    assert list(tight.values()) == ["tpwww"]
+    for m in model:
+        m.set_kernels("")

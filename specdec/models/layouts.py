@@ -1,13 +1,17 @@
 """Per-shape choice of matmul kernel for the few-row CPU matmuls of decoding and verification.
 
-For every distinct Linear shape the model has, time x @ W_t, F.linear(x, W) and (where MKL is
-there) MKL's packed GEMM at each row count a pass can have (1 ... 9 rows for one sequence's K+1
-tokens, more for batches) and tell each Linear which to use. Run it on the thread (and thread
-count) that will do the compute: OpenMP and BLAS pick kernels per thread team.
+For every distinct Linear shape the model has, time x @ W_t, F.linear(x, W), (where MKL is
+there) MKL's packed GEMM and (where oneDNN is there) oneDNN's packed linear at each row count a
+pass can have (1 ... 9 rows for one sequence's K+1 tokens, more for batches) and tell each
+Linear which to use. Run it on the thread (and thread count) that will do the compute: OpenMP
+and BLAS pick kernels per thread team. Which wins is the machine's: on the Intel VMs of sessions
+5-14 MKL's packed GEMM took the LM head's 2-9 rows; on an AMD EPYC (session 15) every MKL kernel
+cost 3-10x oneDNN's there.
 
-A packed weight serves exactly one row count and costs about one more resident copy of the
-weight, so packing is limited to PACK_ROWS and to a byte budget, filled from the fewest rows up
-(bs 1 verification at small K is the common case)."""
+An MKL-packed weight serves exactly one row count and costs about one more resident copy of the
+weight; a oneDNN-packed one serves every row count for one copy. Copies are limited to a byte
+budget, filled from the fewest rows up (bs 1 verification at small K is the common case), and
+MKL packing to PACK_ROWS."""
 from __future__ import annotations
 
 import os
@@ -16,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specdec.models.llama import Linear
+from specdec.models.llama import Linear, dnn_pack
 
 ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # row counts timed; those between follow the one below
 PACK_ROWS = (2, 3, 4, 5, 6, 7, 8, 9)  # row counts that may get a packed copy (bs 1, K = 1 .. 8)
@@ -25,6 +29,10 @@ MARGIN = 0.95  # a kernel replaces the one before it only for a clear win
 
 def packing_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def dnn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def _cold_time(fns, reps: int = 3) -> float:
@@ -44,34 +52,43 @@ def _cold_time(fns, reps: int = 3) -> float:
 @torch.no_grad()
 def decide(weight_t: torch.Tensor, max_rows: int = 16, cold_bytes: float = 96e6,
            pack_rows: tuple[int, ...] = PACK_ROWS) -> tuple[str, str]:
-    """(kernels, unpacked): per row count 0 .. max_rows the fastest kernel ("t", "w" or "p"),
-    and the fastest without packing (what a row count falls back to when over the budget)."""
+    """(kernels, unpacked): per row count 0 .. max_rows the fastest kernel ("t", "w", "p" or "d"),
+    and the fastest without a packed copy (what a row count falls back to when over the budget)."""
     n_copies = max(2, int(cold_bytes / (weight_t.numel() * weight_t.element_size())))
     wts = [weight_t.clone() for _ in range(n_copies)]
     ws = [w.t().contiguous() for w in wts]
-    pack = packing_available() and weight_t.device.type == "cpu" and weight_t.dtype == torch.float32
+    cpu_f32 = weight_t.device.type == "cpu" and weight_t.dtype == torch.float32
+    pack = packing_available() and cpu_f32
+    dnns = [dnn_pack(w) for w in ws] if dnn_available() and cpu_f32 else []
     measured: dict[int, tuple[str, str]] = {}
     for m in (r for r in ROWS if r <= max_rows):
         x = torch.randn(m, weight_t.shape[0], dtype=weight_t.dtype, device=weight_t.device)
         t_t = _cold_time([lambda wt=wt: x @ wt for wt in wts])
         t_w = _cold_time([lambda w=w: F.linear(x, w) for w in ws])
         best, t_best = ("w", t_w) if t_w < MARGIN * t_t else ("t", t_t)
-        choice = best
+        choice, t_choice = best, t_best
+        if dnns:
+            t_d = _cold_time([lambda d=d: torch.ops.mkldnn._linear_pointwise(x, d, None, "none", [], "") for d in dnns])
+            if t_d < MARGIN * t_choice:
+                choice, t_choice = "d", t_d
         if pack and m in pack_rows:
             pks = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in ws]
             t_p = _cold_time([lambda p=p, w=w: torch.ops.mkl._mkl_linear(x, p, w, None, m) for p, w in zip(pks, ws)])
             del pks
-            choice = "p" if t_p < MARGIN * t_best else best
+            choice = "p" if t_p < MARGIN * t_choice else choice
         measured[m] = (choice, best)
-    kernels, unpacked, last = ["t"], ["t"], "t"
+    kernels, unpacked = ["t"], ["t"]
+    last, last_unpacked = "t", "t"
     for m in range(1, max_rows + 1):
         if m in measured:
-            choice, last = measured[m]
+            choice, last_unpacked = measured[m]
+            last = choice if choice != "p" else last_unpacked  # what serves the rows up to the next timed count
         else:
-            choice = last  # untimed row counts follow the unpacked choice below them
+            choice = last  # untimed row counts follow the choice below them (an MKL packing's fallback)
         kernels.append(choice)
-        unpacked.append(last)
-    kernels[-1] = unpacked[-1]  # the last entry also serves more rows: never an exact-rows packing
+        unpacked.append(last_unpacked)
+    if kernels[-1] == "p":  # the last entry also serves more rows: never an exact-rows packing
+        kernels[-1] = unpacked[-1]
     return "".join(kernels), "".join(unpacked)
 
 
@@ -79,7 +96,7 @@ def tune_layouts(model: torch.nn.Module, max_rows: int = 16, cold_bytes: float =
                  pack_budget_bytes: float | None = None) -> dict:
     """Set every Linear's kernel table (CPU only); returns the tables by weight shape.
     Packed copies are kept from the fewest rows up while they fit pack_budget_bytes
-    (default: SPECDEC_PACK_GB, 3 GB)."""
+    (default: SPECDEC_PACK_GB, 3 GB): an MKL one per row count, a oneDNN one per weight."""
     if pack_budget_bytes is None:
         pack_budget_bytes = float(os.environ.get("SPECDEC_PACK_GB", "3")) * 1e9
     mods = [m for m in model.modules() if isinstance(m, Linear) and m.weight_t.device.type == "cpu"]
@@ -92,14 +109,17 @@ def tune_layouts(model: torch.nn.Module, max_rows: int = 16, cold_bytes: float =
     for mod in mods:
         bytes_per_key[key(mod)] += mod.weight_t.numel() * mod.weight_t.element_size()
     chosen = {k: list(kern) for k, (kern, _) in tables.items()}
-    used = 0.0
+    used, dnn_paid = 0.0, set()
     for m in range(1, max_rows + 1):  # fill the budget from the fewest rows up
         for k, (kern, unpacked) in tables.items():
-            if kern[m] == "p":
-                if used + bytes_per_key[k] <= pack_budget_bytes:
-                    used += bytes_per_key[k]
-                else:
-                    chosen[k][m] = unpacked[m]
+            if kern[m] not in ("p", "d") or (kern[m] == "d" and k in dnn_paid):
+                continue  # no copy, or this weight's oneDNN copy, which serves every row count, is paid
+            if used + bytes_per_key[k] <= pack_budget_bytes:
+                used += bytes_per_key[k]
+                if kern[m] == "d":
+                    dnn_paid.add(k)
+            else:
+                chosen[k][m] = unpacked[m]
     decided = {k: "".join(v) for k, v in chosen.items()}
     for mod in mods:
         mod.set_kernels(decided[key(mod)])

@@ -59,6 +59,14 @@ class ModelArgs:
         )
 
 
+DNN_ROWS_HINT = 8  # the row count oneDNN lays a packed weight out for (it serves every count)
+
+
+def dnn_pack(weight: Tensor) -> Tensor:
+    """weight [out, in] re-laid-out by oneDNN for few-row matmuls (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), DNN_ROWS_HINT)
+
+
 class Linear(nn.Module):
     """y = x W^T + b with W stored transposed, [in, out] contiguous, plus (after `set_kernels`)
     an [out, in] copy and MKL-packed copies for the row counts where those kernels are faster.
@@ -67,16 +75,20 @@ class Linear(nn.Module):
     and which few-row CPU kernel streams the weights fastest depends on the machine's BLAS.
     Measured here (49152-wide LM head, cold cache): x @ W_t 3.7 ms at 1 row but 14 ms at 2-5
     rows; nn.Linear's layout 6.4 ms at 2 rows, 11.6 ms at 5; MKL's packed GEMM, whose weight
-    is re-laid-out once for one exact row count, 6.9 ms at 5 rows and 7.9 ms at 9.
-    `models.layouts` times them all."""
+    is re-laid-out once for one exact row count, 6.9 ms at 5 rows and 7.9 ms at 9. On an AMD EPYC
+    (AVX2, no AVX-512; session 15) MKL is the slow one: 52-60 ms at 4 rows and 65-110 at 16 by
+    every MKL kernel, where oneDNN's packed weight, one copy serving any row count, takes 11 and
+    29 ms. `models.layouts` times them all."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool = False):
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(d_in, d_out))
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
         self._w: Tensor | None = None  # [out, in] copy, or None when x @ W_t always wins
-        self._kernels = ""  # by input rows: "t" x @ W_t, "w" F.linear, "p" packed (last: more rows)
+        # by input rows: "t" x @ W_t, "w" F.linear, "p" MKL-packed, "d" oneDNN-packed (last: more rows)
+        self._kernels = ""
         self._packed: dict[int, Tensor] = {}  # rows -> MKL-packed weight for exactly that many
+        self._dnn: Tensor | None = None  # oneDNN-packed weight: one copy for every row count
 
     @property
     def weight(self) -> Tensor:
@@ -87,9 +99,10 @@ class Linear(nn.Module):
         """kernels[rows] for rows = 0 .. n; the last entry, never "p", serves more rows."""
         assert not kernels or kernels[-1] != "p", "packed weights serve one exact row count"
         self._kernels = kernels if kernels.strip("t") else ""
-        self._w = self.weight_t.detach().t().contiguous() if self._kernels else None
+        self._w = self.weight_t.detach().t().contiguous() if self._kernels.strip("td") else None
         self._packed = {m: torch.ops.mkl._mkl_reorder_linear_weight(self._w, m)
                         for m, k in enumerate(self._kernels) if k == "p"}
+        self._dnn = dnn_pack(self.weight_t.detach().t()) if "d" in self._kernels else None
 
     def forward(self, x: Tensor) -> Tensor:
         if self._kernels:
@@ -97,6 +110,8 @@ class Linear(nn.Module):
             kind = self._kernels[min(rows, len(self._kernels) - 1)]
             if kind == "p":
                 return torch.ops.mkl._mkl_linear(x.contiguous(), self._packed[rows], self._w, self.bias, rows)
+            if kind == "d":
+                return torch.ops.mkldnn._linear_pointwise(x, self._dnn, self.bias, "none", [], "")
             if kind == "w":
                 return F.linear(x, self._w, self.bias)
         y = x @ self.weight_t
