@@ -255,3 +255,37 @@ def test_decoding_ahead_stale_or_stopped_is_never_used(tiny_target):
     turned_down = VerifyRequest("w", list(toks), [], None, params, num_steps=1, ahead_steps=4)
     v.decode_ahead([turned_down], v.verify([turned_down]), keep=lambda seq_id: seq_id != "w")
     assert "w" not in v.ahead
+
+
+def test_ragged_forward_runs_real_tokens_only_and_equals_one_by_one(tiny_target):
+    """A ragged batch (some sequences 1 token, some 4) runs its matmuls over the real tokens only
+    (BatchIndex.rows) and gives each sequence what a forward of it alone gives."""
+    from specdec.models.runner import ModelRunner
+
+    ctxs = ragged_prompts(4)
+    new = [[5], [6, 7, 8, 9], [10], [11, 12, 13]]
+    ids = [f"s{i}" for i in range(4)]
+    together = ModelRunner(tiny_target, 4, 512)
+    together.sync(ids, [c + [0] for c in ctxs], [0] * 4)
+    together.prefill(ids, ctxs)
+    seen = []
+    real = tiny_target.layers[0].wqkv.forward
+    tiny_target.layers[0].wqkv.forward = lambda x: seen.append(x.shape[0]) or real(x)
+    try:
+        hidden, valid = together.forward(ids, new)  # [4, 4, dim], [4, 4]
+    finally:
+        del tiny_target.layers[0].wqkv.forward
+    assert seen == [sum(map(len, new))]  # 9 rows through the matmul, not 4 x 4
+    for i, (sid, c, x) in enumerate(zip(ids, ctxs, new)):
+        alone = ModelRunner(tiny_target, 1, 512)
+        alone.sync([sid], [c + [0]], [0])
+        alone.prefill([sid], [c])
+        h, _ = alone.forward([sid], [x])
+        torch.testing.assert_close(hidden[i, : len(x)], h[0], atol=1e-5, rtol=1e-4)
+        assert not hidden[i, len(x):].any()  # padding comes back as zeros
+    assert_cache_equals_fresh_recompute(together, [_Seq(s, c + x) for s, c, x in zip(ids, ctxs, new)], tiny_target)
+
+
+class _Seq:
+    def __init__(self, seq_id, tokens):
+        self.seq_id, self.tokens = seq_id, tokens

@@ -141,18 +141,27 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(a.dim, a.norm_eps)
         self.mlp_norm = RMSNorm(a.dim, a.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: "LayerKV", mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: "LayerKV", mask: Tensor | None,
+                rows: Tensor | None = None) -> Tensor:
+        """x: [B, T, dim]; or, for a ragged batch, only its real tokens [N, dim] with `rows` their
+        places in the flattened [B * T] (see BatchIndex.rows): the matmuls then skip the padding
+        and only attention, which is per sequence, sees the padded [B, T] layout."""
         a = self.a
-        B, T, _ = x.shape
+        B, T = cos.shape[:2]
         hd = a.head_dim
-        qkv = self.wqkv(self.attn_norm(x))  # [B, T, (H + 2Hkv) * hd]
+        qkv = self.wqkv(self.attn_norm(x))  # [B, T, (H + 2Hkv) * hd], or [N, ...]
+        if rows is not None:  # padded rows get zeros: their keys/values go to the trash position
+            qkv = qkv.new_zeros(B * T, qkv.shape[-1]).index_copy_(0, rows, qkv).view(B, T, -1)
         q, k, v = qkv.split([a.n_heads * hd, a.n_kv_heads * hd, a.n_kv_heads * hd], dim=-1)
         q = _rope(q.view(B, T, a.n_heads, hd), cos, sin).transpose(1, 2)  # [B, H, T, hd]
         k = _rope(k.view(B, T, a.n_kv_heads, hd), cos, sin)  # [B, T, Hkv, hd]
         v = v.view(B, T, a.n_kv_heads, hd)
         keys, values = kv.write_and_read(k, v)  # [B, Hkv, ctx, hd] each
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        x = x + self.wo(y.transpose(1, 2).reshape(B, T, a.n_heads * hd))
+        y = y.transpose(1, 2).reshape(B, T, a.n_heads * hd)
+        if rows is not None:
+            y = y.reshape(B * T, -1).index_select(0, rows)  # [N, H * hd]
+        x = x + self.wo(y)
         gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up)
 
@@ -200,6 +209,10 @@ class BatchIndex:
             keys = torch.arange(self.ctx, device=device)
             self.mask = (keys.view(1, 1, -1) <= self.rope_pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, ctx]
         self.valid = valid.to(device)
+        # the real tokens' places in the flattened [B * T] batch, when some rows are padding: a
+        # round where a few sequences of a big batch verify K drafts and the rest one token would
+        # otherwise run every matmul over B * (K + 1) rows (4x the work at 16 sequences and K = 3)
+        self.rows = None if bool(valid.all()) else valid.flatten().nonzero().squeeze(1).to(device)
 
 
 # On Hopper and newer, torch sends attention with a mask to cuDNN first, which builds a plan for
@@ -231,13 +244,17 @@ class Transformer(nn.Module):
         """tokens: [B, T] padded; returns the last layer's hidden states [B, T, dim], before the
         final norm (EAGLE-style draft heads read these features). No LM head here: the caller
         picks the rows it needs first, because the LM head is the most expensive matmul."""
-        x = self.embed(tokens)
+        B, T = tokens.shape
+        rows = batch.rows
+        x = self.embed(tokens if rows is None else tokens.reshape(-1).index_select(0, rows))  # [B, T, dim] or [N, dim]
         cos_t, sin_t = self.rope_tables(x.device, x.dtype)
         cos = cos_t[batch.rope_pos].unsqueeze(2)  # [B, T, 1, hd]
         sin = sin_t[batch.rope_pos].unsqueeze(2)
         with sdpa_kernel(_NOT_CUDNN) if x.is_cuda else contextlib.nullcontext():
             for layer, (kc, vc) in zip(self.layers, caches):
-                x = layer(x, cos, sin, LayerKV(kc, vc, batch), batch.mask)
+                x = layer(x, cos, sin, LayerKV(kc, vc, batch), batch.mask, rows)
+        if rows is not None:  # back to [B, T, dim], padding as zeros
+            x = x.new_zeros(B * T, x.shape[-1]).index_copy_(0, rows, x).view(B, T, -1)
         return x
 
     def logits(self, hidden: Tensor) -> Tensor:
