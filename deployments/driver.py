@@ -37,6 +37,7 @@ class Entry:
     shard: str = ""
     proposer: str | None = None  # 'draft' (the Drafter deployment), 'ngram' (local) or None
     aborted: bool = False
+    on_drafter: bool = False  # the Drafter was asked for its drafts (so may hold its state)
 
 
 class RoundLoop:
@@ -97,12 +98,20 @@ class RoundLoop:
             e.aborted = True
             self._free(e)
 
-    def _free(self, e: Entry) -> None:
-        self.proposer_of.pop(e.seq.seq_id, None)
-        ids = [e.seq.seq_id]
-        self.verifier.pick(0).options(multiplexed_model_id=e.shard).free.remote(ids)
-        if e.proposer == "draft" and self.drafter:
-            self.drafter.pick(0).options(multiplexed_model_id=e.shard).free.remote(ids)
+    def _free(self, *entries: Entry) -> None:
+        """Free the entries' (one shard's) caches: one call per replica, and none to a Drafter
+        that was never asked about them (a round's calls cost the ingress and the replica CPU
+        time on a machine whose cores the verifier's pass wants: under load, where adaptive K
+        keeps drafts off, a free per finished request was a Drafter call per request for nothing)."""
+        if not entries:
+            return
+        for e in entries:
+            self.proposer_of.pop(e.seq.seq_id, None)
+        shard = entries[0].shard
+        self.verifier.pick(0).options(multiplexed_model_id=shard).free.remote([e.seq.seq_id for e in entries])
+        drafted = [e.seq.seq_id for e in entries if e.on_drafter]
+        if drafted and self.drafter:
+            self.drafter.pick(0).options(multiplexed_model_id=shard).free.remote(drafted)
 
     async def _shard_loop(self, shard: str) -> None:
         entries, wake = self.shards[shard], self._wake[shard]
@@ -142,6 +151,8 @@ class RoundLoop:
         groups = rnd.propose_requests()
         # with prefetch the Verifier gets the Drafter's drafts itself: one call for the round
         fetch = groups.pop("draft", ([], []))[0] if self.prefetch and self._drafter_up() else []
+        for i in fetch + groups.get("draft", ([], []))[0]:
+            batch[i].on_drafter = True
         for name, (idx, reqs) in groups.items():
             t0 = time.perf_counter()
             rnd.set_proposals(idx, await self._propose(shard, name, reqs), time.perf_counter() - t0)
@@ -182,14 +193,16 @@ class RoundLoop:
         # what counts, not the call)
         committed = rnd.commit(results, None)
         self._unpriced[shard] = (rnd, t_start, rnd.t_draft)
+        done = []
         for (seq, delta), e in zip(committed, batch):
             if e.aborted:  # aborted while this round was in flight: its calls may have re-cached it
-                self._free(e)
+                done.append(e)
                 continue
             e.queue.put_nowait(delta)
             if seq.finished:
                 self.shards[shard].remove(e)
-                self._free(e)
+                done.append(e)
+        self._free(*done)
 
     def _drafter_up(self) -> bool:
         return time.monotonic() >= self._drafter_down_until

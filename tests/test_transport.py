@@ -32,3 +32,37 @@ def test_sampled_drafts_count_their_q_rows_once_the_vocabulary_is_known():
     assert t.vocab == 100 and t.q_bytes(3) == 1200 and not t.pick(t.q_bytes(3)).by_reference
     vreqs = [VerifyRequest("a", [1], [5, 6], torch.zeros(2, 100), sampled), VerifyRequest("b", [1], [], None, greedy)]
     assert verify_bytes(vreqs) == 800
+
+
+class RecordingHandle:
+    """A replica handle whose `free` calls are recorded as (name, ids)."""
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def options(self, **_):
+        return self
+
+    @property
+    def free(self):
+        handle = self
+
+        class Method:
+            def remote(self, ids):
+                handle.calls.append((handle.name, ids))
+        return Method()
+
+
+def test_a_rounds_frees_are_one_call_per_replica_and_skip_a_drafter_never_asked():
+    from deployments.driver import Entry, RoundLoop
+    from specdec.sequence import Sequence
+
+    calls = []
+    loop = RoundLoop(RecordingHandle("drafter", calls), RecordingHandle("verifier", calls), max_batch_size=4)
+    entries = [Entry(Sequence(sid, [1, 2], SamplingParams(), 4, 64), 0.0, shard="shard-0", proposer="draft",
+                     on_drafter=sid == "b") for sid in "abc"]
+    loop._free(*entries)
+    assert calls == [("verifier", ["a", "b", "c"]), ("drafter", ["b"])]
+    calls.clear()
+    loop._free(entries[0])  # never drafted for: the Drafter holds nothing of it
+    assert calls == [("verifier", ["a"])]
