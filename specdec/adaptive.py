@@ -351,8 +351,9 @@ class AdaptiveK:
         verifier pass. budgets[i] = most drafts sequence i can use this round; new[i]: it has had
         no model draft verified yet; lookups[i] = length of its lookup match (0 = none), with its
         lookup acceptance estimate in lookup_acceptances[i]. prefilling: the pass also prefills a
-        new sequence's prompt; no probe is forced into it (its cost, the prompt's, teaches nothing,
-        and with multi-step calls a draft there cuts every sequence's plain steps to one)."""
+        new sequence's prompt; no probe is forced into it (its cost, the prompt's, teaches nothing),
+        and with multi-step calls nothing drafts in it (a draft there cuts every sequence's plain
+        steps to one)."""
         B = len(acceptances)
         if self._multi_step_pass and B not in self._multi_step_pass:
             # plain rounds run several steps per call, but never yet at this batch size: decode
@@ -361,6 +362,12 @@ class AdaptiveK:
             # measured, and K=1 for all sixteen (or each new request's probe in turn) looked like
             # a gain; speculating every round, the batch never showed otherwise (session 12: 18
             # such rounds in one rep, 0.83x K=0; 16 probe rounds in another, 0.89x)
+            return [0] * B
+        if prefilling and self._multi_step_pass:
+            # with multi-step calls any draft in a pass that prefills cuts every sequence's plain
+            # steps to one, the new prompts' included, and such a pass is not costed, so no
+            # choice here can be priced (session 16: one sequence's K=8 in a 4-user round that
+            # prefilled three prompts: 4 tokens out of the call where plainly 16 came)
             return [0] * B
         lookups = lookups or [0] * B
         lk = [m > 0 for m in lookups]

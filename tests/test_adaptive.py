@@ -283,6 +283,16 @@ def test_no_probe_is_forced_into_a_round_that_prefills_a_prompt():
     assert _round_for(low_acceptance()) == [2]
 
 
+def test_with_multi_step_calls_nothing_drafts_in_a_round_that_prefills():
+    """In-process (one step per pass) a well-accepting sequence may draft beside a new prompt's
+    prefill; once plain calls run several steps, a draft there would cut them all to one."""
+    ak = costs()
+    assert ak.choose([0.9, 0.5], [8, 0], prefilling=True)[0] > 0
+    ak.observe_verify(2, 2, 0.05, steps=4)
+    assert ak.choose([0.9, 0.5], [8, 0], prefilling=True) == [0, 0]
+    assert ak.choose([0.9, 0.5], [8, 0])[0] > 0
+
+
 def test_a_request_near_its_end_is_not_probed():
     assert _round_for(low_acceptance(), room=40) == [2]
     assert _round_for(low_acceptance(), room=AdaptiveK.probe_min_room - 1) == [0]
