@@ -24,7 +24,7 @@ from specdec.rounds import Round
 from specdec.sequence import Delta, Sequence
 
 from deployments.openai_protocol import APIError
-from deployments.transport import Transport, sampled_drafts, verify_bytes
+from deployments.transport import Transport, verify_bytes
 
 log = logging.getLogger("ray.serve")
 
@@ -220,7 +220,7 @@ class RoundLoop:
         none = [Proposal([], None) for _ in reqs]
         if not self._drafter_up():
             return none
-        handle = self.drafter.pick(self.drafter.q_bytes(sampled_drafts(reqs)))
+        handle = self.drafter.for_proposals(reqs)
         call = handle.options(multiplexed_model_id=shard).propose.remote(reqs)
         t0 = time.perf_counter()
         try:

@@ -16,7 +16,7 @@ import ray
 from ray import serve
 
 from deployments.config import AppArgs
-from deployments.transport import Transport, sampled_drafts
+from deployments.transport import Transport
 from specdec.protocol import Proposal
 
 log = logging.getLogger("ray.serve")
@@ -191,7 +191,7 @@ class Verifier(_Replica):
 
     def _draft(self, reqs) -> asyncio.Task:
         """One Drafter call, as a task several sequences' waits can share."""
-        handle = self.drafter.pick(self.drafter.q_bytes(sampled_drafts(reqs)))
+        handle = self.drafter.for_proposals(reqs)
         call = handle.options(multiplexed_model_id=serve.get_multiplexed_model_id()).propose.remote(reqs)
 
         async def answer():

@@ -35,6 +35,10 @@ class Transport:
         if self.vocab is None:
             self.vocab = next((p.probs.shape[-1] for p in proposals if p.probs is not None), None)
 
+    def for_proposals(self, requests):
+        """The handle for a Drafter call that proposes for these ProposeRequests."""
+        return self.pick(self.q_bytes(sampled_drafts(requests)))
+
     def q_bytes(self, num_sampled_drafts: int) -> int:
         """Bytes of the q rows of this many sampled drafts (greedy drafts carry none)."""
         if not num_sampled_drafts:
