@@ -164,6 +164,10 @@ def main() -> int:
     ap.add_argument("--one-user-reps", type=int, default=8,
                     help="repetitions at 1 user (cheap; each rep is one question, paired with the in-process engine)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--requests-per-user", type=int, default=1,
+                    help="at 4 and 16 users, requests each user sends back to back in a rep (1: the users' requests "
+                         "start together and the rep ends with the last; more: a user whose request ended sends "
+                         "its next at once, so the batch stays full as in steady traffic)")
     ap.add_argument("--set", action="append", default=[], metavar="ARG=VALUE",
                     help="override an app arg of serve_config.yaml (VALUE parsed as YAML), e.g. --set draft_num_threads=2")
     ap.add_argument("--name", default=None, help="results file bench/results/<name>.json (default serve_load[-tiny])")
@@ -190,7 +194,9 @@ def main() -> int:
                 for spec in ((True, False) if rep % 2 == 0 else (False, True)):
                     before = len(verifier.stats.remote().result()["batch_sizes"])
                     rounds_before = ingress.loop_stats.remote().result()["rounds"]
-                    reps[spec].append(asyncio.run(run_level(url, model, users, 1, a.max_tokens, spec, offset=rep * users)))
+                    per_user = 1 if users == 1 else a.requests_per_user
+                    reps[spec].append(asyncio.run(run_level(url, model, users, per_user, a.max_tokens, spec,
+                                                            offset=rep * users * per_user)))
                     sizes[spec] += verifier.stats.remote().result()["batch_sizes"][before:]
                     ls = ingress.loop_stats.remote().result()
                     new = ls["rounds"] - rounds_before  # this rep's rounds (at most the trace's length)
@@ -247,6 +253,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "summary": summary, "table": lines,
                                "config": {"overrides": a.set, "max_tokens": a.max_tokens, "reps": a.reps, "one_user_reps": a.one_user_reps,
+                                          "requests_per_user": a.requests_per_user,
                                           "in_process_tokens_per_s_reps": engine_runs}}, indent=1))
     return 0
 

@@ -187,7 +187,8 @@ class RoundLoop:
                            "drafted": [r.num_drafted for r in results],
                            "accepted": [r.num_accepted for r in results], "steps": max(r.num_passes for r in results),
                            "emitted": [len(r.token_ids) for r in results],
-                           "verify_s": round(t_verify, 4), "round_s": round(t_round, 4), "draft_s": round(rnd.t_draft, 4)})
+                           "verify_s": round(t_verify, 4), "round_s": round(t_round, 4), "draft_s": round(rnd.t_draft, 4),
+                           "predicted": rnd.prediction})
         # adaptive K is told what the round cost once the next one starts (with decoding ahead,
         # a plain call's answer was mostly made before the call: the period between rounds is
         # what counts, not the call)

@@ -259,6 +259,7 @@ class AdaptiveK:
     # per batch size: seconds per pass of a multi-step plain call, an EMA (the curves above learn
     # from one-pass calls only: a speculative round is one pass, and pays a whole call)
     _multi_step_pass: dict[int, float] = field(default_factory=dict)
+    last_prediction: dict | None = None  # the last choice's expected tokens and rates (None: not priced)
 
     def __post_init__(self):
         acc = lambda: Acceptance(self.k_max, self.prior_acceptance, self.prior_weight, self.ema_decay)  # noqa: E731
@@ -355,6 +356,7 @@ class AdaptiveK:
         and with multi-step calls nothing drafts in it (a draft there cuts every sequence's plain
         steps to one)."""
         B = len(acceptances)
+        self.last_prediction = None
         if self._multi_step_pass and B not in self._multi_step_pass:
             # plain rounds run several steps per call, but never yet at this batch size: decode
             # plainly once to measure it, probes included. Its estimate from other sizes errs both
@@ -422,15 +424,35 @@ class AdaptiveK:
             self._probe_wait = 0 if best > 0 else min(2 * (self._probe_wait or self.probe_every), self.max_probe_every)
         self._probing = False
         if best == 0 and new and self.first_probe_k and not prefilling and any(n and b and not m for n, b, m in zip(new, caps, lk)):
-            # a request's own probe: its prompt may accept far above the average. One request a
-            # round: users who arrive together would otherwise all be probed in one round, whose
-            # optimistic gain (every one of them accepting at probe_optimism) pays for a pass
-            # over all their drafts that, at their real acceptance, holds the whole batch up
-            first = next(i for i, (n, c, m) in enumerate(zip(new, caps, lk)) if n and c and not m)
-            probed = [i == first for i in range(B)]
-            ks = [min(self.first_probe_k, c) if p else ki for p, c, ki in zip(probed, caps, ks_for(0, best_l))]
-            if self._unmeasured(B) or probe_pays(probed, self.first_probe_k):
-                return ks
+            # a request's own probe: its prompt may accept far above the average. Whether probing
+            # is worth it is asked of one request: users who arrive together would otherwise be
+            # judged on the optimistic gain of all of them at once (every one accepting at
+            # probe_optimism), which pays for a pass over all their drafts that, at their real
+            # acceptance, holds the whole batch up
+            cands = [i for i, (n, c, m) in enumerate(zip(new, caps, lk)) if n and c and not m]
+            others = ks_for(0, best_l)
+
+            def probing(group: set[int]) -> list[int]:
+                return [min(self.first_probe_k, caps[i]) if i in group else o for i, o in enumerate(others)]
+
+            one = probing({cands[0]})
+            if self._unmeasured(B):
+                return self._predicted(one, gains, rate_of)
+            if probe_pays([i == cands[0] for i in range(B)], self.first_probe_k):
+                # every new request is then probed in turn; in one round together they share a
+                # call, a draft call and a pass, where one at a time each pays a one-pass call
+                # in place of its share of a multi-step one (session 17, Serve at 4 users: four
+                # lone probes a rep, each ~20 ms dearer than the plain tokens it gave, ~3 % of a
+                # rep). Together, when that costs less than the lone probes would in all
+                def loss(ks: list[int]) -> float:
+                    """Seconds beyond plain decoding of the tokens the round is expected to give."""
+                    tokens = sum(e[k] for e, k in zip(gains, ks))
+                    return tokens / rate_of(ks, gains) - tokens / rate(0, best_l)
+
+                together = probing(set(cands))
+                if len(cands) > 1 and loss(together) < len(cands) * loss(one):
+                    return self._predicted(together, gains, rate_of)
+                return self._predicted(one, gains, rate_of)
         if best == 0 and limit > 0:
             self._rounds_at_zero += 1
             if self._rounds_at_zero >= (self._probe_wait or self.probe_every) and not prefilling and \
@@ -438,7 +460,16 @@ class AdaptiveK:
                 self._rounds_at_zero, best, self._probing = 0, 1, True
         else:
             self._rounds_at_zero = 0
-        return ks_for(best, best_l)
+        return self._predicted(ks_for(best, best_l), gains, rate_of)
+
+    def _predicted(self, ks: list[int], gains: list[list[float]], rate_of) -> list[int]:
+        """Keep what the model expected of this choice and of K = 0 (for round traces: where
+        its predictions and what rounds did part)."""
+        zero = [0] * len(ks)
+        self.last_prediction = {"tokens": round(sum(e[k] for e, k in zip(gains, ks)), 3),
+                                "tokens_per_s": round(rate_of(ks, gains), 2),
+                                "k0_tokens_per_s": round(rate_of(zero, gains), 2)}
+        return ks
 
     def state(self) -> dict:
         """What the choices rest on, for operators: costs learned and acceptance per position."""

@@ -28,6 +28,7 @@ class Round:
         # no verifier feature to draft from yet (its drafts would only widen the pass)
         budgets = [s.draft_budget() if proposer_of.get(s.seq_id) and s.output_ids else 0 for s in batch]
         # prompt lookup first (cheap): its matches bound those sequences' drafts this round
+        self.prediction: dict | None = None  # what adaptive K expected of its choice
         self.looked_up = [lookup.lookup(s.tokens, b) if lookup is not None and b and proposer_of.get(s.seq_id) != "ngram"
                           else [] for s, b in zip(batch, budgets)]
         # a sequence's first verify (and first draft) also prefills its prompt: such rounds would
@@ -48,6 +49,7 @@ class Round:
                    for s, first in zip(batch, self.first_draft)]
             budgets = adaptive.choose(acc, budgets, new, [len(x) for x in self.looked_up], lacc,
                                       prefilling=self.prefill_verify)
+            self.prediction = adaptive.last_prediction
         self.ks = budgets
         self.drafts: list[Proposal] = [Proposal([], None) for _ in batch]
         self.is_lookup = [bool(x) and k > 0 for x, k in zip(self.looked_up, self.ks)]

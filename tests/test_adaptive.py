@@ -144,7 +144,9 @@ def test_adaptive_engine_is_lossless(tiny_target):
 def test_every_new_request_is_probed_once_even_when_speculation_is_off():
     ak = costs()
     assert ak.choose([0.05], [8], new=[False]) == [0]
-    assert ak.choose([0.05, 0.05], [8, 1], new=[True, True]) == [2, 0]  # one new request a round
+    # two new requests: probed together (one pass and one draft call for both, cheaper than two
+    # rounds), each up to its budget
+    assert ak.choose([0.05, 0.05], [8, 1], new=[True, True]) == [2, 1]
     assert ak.choose([0.05, 0.05], [8, 8], new=[False, True]) == [0, 2]  # only the new one drafts
 
 
@@ -190,9 +192,11 @@ def test_a_one_pass_call_is_not_costed_as_a_share_of_a_multi_step_one():
     assert model(True).choose([0.95], [4])[0] > 0
 
 
-def test_users_arriving_together_are_probed_one_a_round():
-    """Sixteen new requests in one round: at most one is probed (Serve at 16 users lost ~7 % to
-    rounds that probed all of them at once, every pass widened for drafts accepted at ~0.35)."""
+def test_users_arriving_together_are_not_probed_on_their_joint_optimism():
+    """Sixteen new requests in one round at a compute-bound batch: none is probed, though all of
+    them accepting at probe_optimism together would look worth a round (Serve at 16 users lost
+    ~7 % to rounds that probed all of them at once, every pass widened for drafts accepted at
+    ~0.35)."""
     ak = AdaptiveK(k_max=4)
     for _ in range(20):
         ak.observe_verify(16, 16, 0.11, steps=4)
@@ -200,7 +204,29 @@ def test_users_arriving_together_are_probed_one_a_round():
         ak.observe_draft(16, 2, 0.02)
     assert sum(k > 0 for k in ak.choose([0.3] * 16, [4] * 16, new=[True] * 16)) <= 1
     alone = costs(draft=0.03)
+    # at a batch size bigger than any measured, one alone: its round measures what a pass there costs
     assert alone.choose([0.05, 0.05, 0.05], [8, 8, 8], new=[True] * 3) == [2, 0, 0]
+
+
+def four_users(verify_12: float) -> AdaptiveK:
+    """Serve at 4 users as measured in session 17: 4-step plain calls 53 ms a pass, a one-pass
+    call 58 ms at 6 tokens, verify_12 at 12; a draft call ~15 ms."""
+    ak = AdaptiveK(k_max=8)
+    for _ in range(20):
+        ak.observe_verify(4, 4, 0.053, steps=4)
+        for t, y in ((5, 0.056), (6, 0.058), (8, 0.062), (12, verify_12)):
+            ak.observe_verify(4, t, y)
+        ak.observe_draft(1, 2, 0.012), ak.observe_draft(4, 2, 0.018)
+    return ak
+
+
+def test_new_requests_are_probed_together_where_that_costs_less():
+    """Four requests arriving together at 4 users: one probe round for all four (one call, one
+    draft call, one pass of 12 tokens) instead of four lone probes, each a one-pass call where a
+    plain step is a quarter of a 4-step one (four lone probes cost ~3 % of a rep in Serve). Where
+    the pass for all their drafts would cost far more than four small ones, one at a time."""
+    assert four_users(0.075).choose([0.4] * 4, [8] * 4, new=[True] * 4) == [2, 2, 2, 2]
+    assert four_users(0.4).choose([0.4] * 4, [8] * 4, new=[True] * 4) == [2, 0, 0, 0]
 
 
 def test_a_batch_size_never_decoded_plainly_is_not_charged_a_whole_call_per_pass():
