@@ -243,6 +243,7 @@ class AdaptiveK:
     min_gain: float = 0.03  # speculate only when predicted to beat K = 0 by this much (the model errs)
     first_probe_k: int = 2  # drafts in each new request's one probe (0 = no per-request probe)
     probe_optimism: float = 0.9  # a probe is made only if it would pay at this acceptance (else it can only lose)
+    plain_refresh_every: int = 64  # rounds of speculation at a batch size before one plain round re-measures its plain pass
     slow_start: bool = False  # a sequence's model K at most twice what it last had accepted (first_probe_k at first)
     probe_min_room: int = 16  # a request's own probe only while it may emit this many more tokens (else too late to use)
     prior_acceptance: float = 0.5  # acceptance assumed before any draft was verified
@@ -259,6 +260,13 @@ class AdaptiveK:
     # per batch size: seconds per pass of a multi-step plain call, an EMA (the curves above learn
     # from one-pass calls only: a speculative round is one pass, and pays a whole call)
     _multi_step_pass: dict[int, float] = field(default_factory=dict)
+    # per batch size: the round (counted in choices) its plain pass was last measured at. A plain
+    # cost measured while the machine was busy (another job, a noisy neighbour) makes speculating
+    # every round look like a gain, and then nothing measures it again: seen in session 17 with a
+    # CPU-bound job beside a serve_load run, 16 users drafted in 147 of 239 rounds at 0.93x K=0
+    _plain_seen: dict[int, int] = field(default_factory=dict)
+    _refreshing: set[int] = field(default_factory=set)  # batch sizes whose next plain measurement replaces the old
+    _choices: int = 0
     last_prediction: dict | None = None  # the last choice's expected tokens and rates (None: not priced)
 
     def __post_init__(self):
@@ -357,6 +365,7 @@ class AdaptiveK:
         steps to one)."""
         B = len(acceptances)
         self.last_prediction = None
+        self._choices += 1
         if self._multi_step_pass and B not in self._multi_step_pass:
             # plain rounds run several steps per call, but never yet at this batch size: decode
             # plainly once to measure it, probes included. Its estimate from other sizes errs both
@@ -423,6 +432,13 @@ class AdaptiveK:
         if self._probing:  # the last round was a probe: did it change the verdict?
             self._probe_wait = 0 if best > 0 else min(2 * (self._probe_wait or self.probe_every), self.max_probe_every)
         self._probing = False
+        if (best or best_l) and B in self._multi_step_pass and not prefilling and \
+                self._choices - self._plain_seen.get(B, 0) > self.plain_refresh_every:
+            # speculating for long on a plain cost measured long ago: decode plainly once to
+            # measure it again (its new measurement replaces the stale one, see observe_verify)
+            self._plain_seen[B] = self._choices  # asked for: not again until it is stale again
+            self._refreshing.add(B)
+            return self._predicted([0] * B, gains, rate_of)
         if best == 0 and new and self.first_probe_k and not prefilling and any(n and b and not m for n, b, m in zip(new, caps, lk)):
             # a request's own probe: its prompt may accept far above the average. Whether probing
             # is worth it is asked of one request: users who arrive together would otherwise be
@@ -497,7 +513,10 @@ class AdaptiveK:
         """seconds per pass of a call that made `steps` passes (steps > 1: plain decoding steps)."""
         if steps > 1:
             old = self._multi_step_pass.get(batch)
-            self._multi_step_pass[batch] = seconds if old is None else old + 0.3 * (seconds - old)
+            stale = batch in self._refreshing or self._choices - self._plain_seen.get(batch, 0) >= self.plain_refresh_every
+            self._multi_step_pass[batch] = seconds if old is None or stale else old + 0.3 * (seconds - old)
+            self._plain_seen[batch] = self._choices
+            self._refreshing.discard(batch)
             return
         if batch not in self._verify_by_batch:
             self._verify_by_batch[batch] = CostCurve(*self.verify_prior)

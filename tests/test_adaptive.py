@@ -450,3 +450,23 @@ def test_the_decision_rules_find_a_gpus_gain_at_every_load_and_stay_off_on_this_
     assert all(gpu[u]["vs_k0"] > 1.05 for u in (1, 4, 16)), gpu
     cpu = sim.simulate("cpu", 0.37)
     assert all(cpu[u]["vs_k0"] > 0.96 for u in (1, 4, 16)), cpu
+
+
+def test_a_stale_plain_cost_is_measured_again():
+    """A plain pass measured while the machine was busy (0.12 s where it costs 0.09) makes K=1
+    for all sixteen look like a gain, and speculating every round nothing measured it again
+    (session 17, a CPU-bound job beside serve_load: 147 drafting rounds of 239, 0.93x K=0).
+    After plain_refresh_every such rounds one round decodes plainly, its measurement replaces
+    the stale one, and speculation stops."""
+    ak = AdaptiveK(k_max=4)
+    for _ in range(20):
+        ak.observe_verify(16, 32, 0.13)
+        ak.observe_draft(16, 1, 0.02)
+    ak.observe_verify(16, 16, 0.12, steps=4)  # measured while busy
+    acc = [0.6] * 16
+    drafting = [ak.choose(acc, [4] * 16) for _ in range(ak.plain_refresh_every)]
+    assert all(ks == [1] * 16 for ks in drafting)
+    assert ak.choose(acc, [4] * 16) == [0] * 16  # the refresh
+    ak.observe_verify(16, 16, 0.09, steps=4)
+    assert ak.choose(acc, [4] * 16) == [0] * 16  # and K=1 no longer pays
+    assert ak.state()["multi_step_pass_s"][16] == 0.09
