@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import json
 import os
+import random
 import statistics as st
 import sys
 import time
@@ -64,13 +65,19 @@ async def one_request(client, url, model, i, max_tokens, spec: bool) -> dict:
             "acceptance_rate": usage["speculative"]["acceptance_rate"]}
 
 
+def tokens_for(i: int, max_tokens) -> int:
+    """max_tokens, or with (lo, hi) a length drawn for request i: the same for speculation and
+    K=0 in a rep pair, which ask the same request numbers."""
+    return max_tokens if isinstance(max_tokens, int) else random.Random(i).randint(*max_tokens)
+
+
 async def run_level(url, model, users, requests, max_tokens, spec, offset=0) -> dict:
     import httpx
 
     async with httpx.AsyncClient() as client:
         async def user(u):
-            return [await one_request(client, url, model, offset + u * requests + j, max_tokens, spec)
-                    for j in range(requests)]
+            ids = [offset + u * requests + j for j in range(requests)]
+            return [await one_request(client, url, model, i, tokens_for(i, max_tokens), spec) for i in ids]
 
         t0 = time.perf_counter()
         per_user = await asyncio.gather(*(user(u) for u in range(users)))
@@ -168,6 +175,10 @@ def main() -> int:
                     help="at 4 and 16 users, requests each user sends back to back in a rep (1: the users' requests "
                          "start together and the rep ends with the last; more: a user whose request ended sends "
                          "its next at once, so the batch stays full as in steady traffic)")
+    ap.add_argument("--vary-tokens", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                    help="at 4 and 16 users, each request's max_tokens drawn from LO..HI (the same for "
+                         "speculation and K=0): answers of one length keep plain decoding's batch in "
+                         "lockstep, which real traffic does not")
     ap.add_argument("--set", action="append", default=[], metavar="ARG=VALUE",
                     help="override an app arg of serve_config.yaml (VALUE parsed as YAML), e.g. --set draft_num_threads=2")
     ap.add_argument("--name", default=None, help="results file bench/results/<name>.json (default serve_load[-tiny])")
@@ -195,7 +206,8 @@ def main() -> int:
                     before = len(verifier.stats.remote().result()["batch_sizes"])
                     rounds_before = ingress.loop_stats.remote().result()["rounds"]
                     per_user = 1 if users == 1 else a.requests_per_user
-                    reps[spec].append(asyncio.run(run_level(url, model, users, per_user, a.max_tokens, spec,
+                    lengths = tuple(a.vary_tokens) if a.vary_tokens and users > 1 else a.max_tokens
+                    reps[spec].append(asyncio.run(run_level(url, model, users, per_user, lengths, spec,
                                                             offset=rep * users * per_user)))
                     sizes[spec] += verifier.stats.remote().result()["batch_sizes"][before:]
                     ls = ingress.loop_stats.remote().result()
@@ -253,7 +265,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "summary": summary, "table": lines,
                                "config": {"overrides": a.set, "max_tokens": a.max_tokens, "reps": a.reps, "one_user_reps": a.one_user_reps,
-                                          "requests_per_user": a.requests_per_user,
+                                          "requests_per_user": a.requests_per_user, "vary_tokens": a.vary_tokens,
                                           "in_process_tokens_per_s_reps": engine_runs}}, indent=1))
     return 0
 
