@@ -34,7 +34,11 @@ size look as cheap as a share of a multi-step one, and cheap lookup drafts in a 
 A batch size whose plain multi-step pass was never measured decodes plainly first (no drafts, no
 probes): guessed from other sizes, its plain pass can look dear enough that speculating every
 round seems to pay, and then it is never measured. No probe goes into a round that prefills a
-prompt (such rounds are not costed), nor to a request too near its end to use what it shows."""
+prompt (such rounds are not costed), nor to a request too near its end to use what it shows.
+New requests that arrive together share one probe round where that costs less than a round
+each. A batch size that has speculated for plain_refresh_every rounds since its plain pass was
+measured decodes one round plainly to measure it again: a plain cost measured while the machine
+was busy would otherwise keep speculation on for good."""
 from __future__ import annotations
 
 import functools
@@ -459,7 +463,7 @@ class AdaptiveK:
                 # call, a draft call and a pass, where one at a time each pays a one-pass call
                 # in place of its share of a multi-step one (session 17, Serve at 4 users: four
                 # lone probes a rep, each ~20 ms dearer than the plain tokens it gave, ~3 % of a
-                # rep). Together, when that costs less than the lone probes would in all
+                # rep). They go together when that costs less than the lone probes would in all
                 def loss(ks: list[int]) -> float:
                     """Seconds beyond plain decoding of the tokens the round is expected to give."""
                     tokens = sum(e[k] for e, k in zip(gains, ks))

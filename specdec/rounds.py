@@ -28,13 +28,13 @@ class Round:
         # no verifier feature to draft from yet (its drafts would only widen the pass)
         budgets = [s.draft_budget() if proposer_of.get(s.seq_id) and s.output_ids else 0 for s in batch]
         # prompt lookup first (cheap): its matches bound those sequences' drafts this round
-        self.prediction: dict | None = None  # what adaptive K expected of its choice
         self.looked_up = [lookup.lookup(s.tokens, b) if lookup is not None and b and proposer_of.get(s.seq_id) != "ngram"
                           else [] for s, b in zip(batch, budgets)]
         # a sequence's first verify (and first draft) also prefills its prompt: such rounds would
         # teach the cost models that passes are dearer than they are, so they are not observed
         self.prefill_verify = any(not s.output_ids for s in batch)
         self.first_draft = [not s.metrics.num_model_drafted for s in batch]  # no model draft verified yet
+        self.prediction: dict | None = None  # what adaptive K expected of its choice (round traces)
         if adaptive is not None:
             # the model's drafts grow as a sequence shows they are accepted (lookup: by its match)
             budgets = [b if x else min(b, adaptive.model_cap(s.metrics.last_model_accepted))
