@@ -269,7 +269,6 @@ class AdaptiveK:
     # every round look like a gain, and then nothing measures it again: seen in session 17 with a
     # CPU-bound job beside a serve_load run, 16 users drafted in 147 of 239 rounds at 0.93x K=0
     _plain_seen: dict[int, int] = field(default_factory=dict)
-    _refreshing: set[int] = field(default_factory=set)  # batch sizes whose next plain measurement replaces the old
     _choices: int = 0
     last_prediction: dict | None = None  # the last choice's expected tokens and rates (None: not priced)
 
@@ -427,6 +426,14 @@ class AdaptiveK:
         limit = min(self.k_max, max((c for c, m in zip(caps, lk) if not m), default=0))
         limit_l = min(self.k_max, max((c for c, m in zip(caps, lk) if m), default=0))
         base = rate(0, 0)
+
+        def chosen(ks: list[int]) -> list[int]:
+            """Keep what the model expected of this choice and of K = 0 (for round traces: where
+            its predictions and what rounds did part)."""
+            self.last_prediction = {"tokens": round(sum(e[k] for e, k in zip(gains, ks)), 3),
+                                    "tokens_per_s": round(rate_of(ks, gains), 2), "k0_tokens_per_s": round(base, 2)}
+            return ks
+
         best, best_l = max(((k, kl) for k in range(limit + 1) for kl in range(limit_l + 1)), key=lambda x: rate(*x))
         if (best or best_l) and rate(best, best_l) < (1 + self.min_gain) * base:
             best, best_l = 0, 0
@@ -439,10 +446,8 @@ class AdaptiveK:
         if (best or best_l) and B in self._multi_step_pass and not prefilling and \
                 self._choices - self._plain_seen.get(B, 0) > self.plain_refresh_every:
             # speculating for long on a plain cost measured long ago: decode plainly once to
-            # measure it again (its new measurement replaces the stale one, see observe_verify)
-            self._plain_seen[B] = self._choices  # asked for: not again until it is stale again
-            self._refreshing.add(B)
-            return self._predicted([0] * B, gains, rate_of)
+            # measure it again (a measurement that old replaces the stale one, see observe_verify)
+            return chosen([0] * B)
         if best == 0 and new and self.first_probe_k and not prefilling and any(n and b and not m for n, b, m in zip(new, caps, lk)):
             # a request's own probe: its prompt may accept far above the average. Whether probing
             # is worth it is asked of one request: users who arrive together would otherwise be
@@ -457,7 +462,7 @@ class AdaptiveK:
 
             one = probing({cands[0]})
             if self._unmeasured(B):
-                return self._predicted(one, gains, rate_of)
+                return chosen(one)
             if probe_pays([i == cands[0] for i in range(B)], self.first_probe_k):
                 # every new request is then probed in turn; in one round together they share a
                 # call, a draft call and a pass, where one at a time each pays a one-pass call
@@ -471,8 +476,8 @@ class AdaptiveK:
 
                 together = probing(set(cands))
                 if len(cands) > 1 and loss(together) < len(cands) * loss(one):
-                    return self._predicted(together, gains, rate_of)
-                return self._predicted(one, gains, rate_of)
+                    return chosen(together)
+                return chosen(one)
         if best == 0 and limit > 0:
             self._rounds_at_zero += 1
             if self._rounds_at_zero >= (self._probe_wait or self.probe_every) and not prefilling and \
@@ -480,16 +485,7 @@ class AdaptiveK:
                 self._rounds_at_zero, best, self._probing = 0, 1, True
         else:
             self._rounds_at_zero = 0
-        return self._predicted(ks_for(best, best_l), gains, rate_of)
-
-    def _predicted(self, ks: list[int], gains: list[list[float]], rate_of) -> list[int]:
-        """Keep what the model expected of this choice and of K = 0 (for round traces: where
-        its predictions and what rounds did part)."""
-        zero = [0] * len(ks)
-        self.last_prediction = {"tokens": round(sum(e[k] for e, k in zip(gains, ks)), 3),
-                                "tokens_per_s": round(rate_of(ks, gains), 2),
-                                "k0_tokens_per_s": round(rate_of(zero, gains), 2)}
-        return ks
+        return chosen(ks_for(best, best_l))
 
     def state(self) -> dict:
         """What the choices rest on, for operators: costs learned and acceptance per position."""
@@ -517,10 +513,9 @@ class AdaptiveK:
         """seconds per pass of a call that made `steps` passes (steps > 1: plain decoding steps)."""
         if steps > 1:
             old = self._multi_step_pass.get(batch)
-            stale = batch in self._refreshing or self._choices - self._plain_seen.get(batch, 0) >= self.plain_refresh_every
+            stale = self._choices - self._plain_seen.get(batch, 0) >= self.plain_refresh_every
             self._multi_step_pass[batch] = seconds if old is None or stale else old + 0.3 * (seconds - old)
             self._plain_seen[batch] = self._choices
-            self._refreshing.discard(batch)
             return
         if batch not in self._verify_by_batch:
             self._verify_by_batch[batch] = CostCurve(*self.verify_prior)
