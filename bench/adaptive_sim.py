@@ -91,7 +91,8 @@ def simulate(costs: str, a1: float, seed: int = 0, reps: int = 4, tokens: int = 
                     s["left"] -= e
                     emitted += e
                     s["acc"], s["dr"] = s["acc"] + n, s["dr"] + k
-                ak.observe_round(results, first=[s["dr"] == k for s, (k, _) in zip(live, results)])
+                ak.observe_round(results, first=[s["dr"] == k for s, (k, _) in zip(live, results)],
+                                 predicted=ak.last_prediction)
                 t += dt
             rates.append(emitted / t)
         k0_pass = plain_s(users) if plain_s is not None else verify_s(users, users)

@@ -110,7 +110,7 @@ class Round:
             if verify_seconds is not None:
                 self.observe_cost(verify_seconds)
             self.adaptive.observe_round([(r.num_drafted, r.num_accepted) for r in results], self.is_lookup,
-                                        self.first_draft)
+                                        self.first_draft, self.prediction)
         out = [(s, s.commit(r, m)) for s, r, m in zip(self.batch, results, self.is_lookup)]
         self.t_committed = time.perf_counter()
         return out
