@@ -464,7 +464,7 @@ def test_a_probe_is_not_justified_by_hope_at_a_depth_it_would_not_measure():
     assert ak.choose([0.3] * 4, [8] * 4, new=[True, False, False, False]) == [0] * 4
 
 
-def test_the_decision_rules_find_a_gpus_gain_at_every_load_and_stay_off_on_this_cpu():
+def test_the_decision_rules_find_a_gpus_gain_and_stay_off_on_this_cpu():
     """bench/adaptive_sim.py: the H200's shape of costs with a code-like draft gains at 1 and 4
     users (mean of 8 seeds) and never loses at 16, where a gain is found in some seeds only (it
     hangs on the probe back-off the 4-user level leaves behind); this CPU's shape never costs
