@@ -532,12 +532,12 @@ class AdaptiveK:
         estimates of what the verifier accepted, not preset rates."""
         looked_up = looked_up or [False] * len(drafted_accepted)
         first = first or [False] * len(drafted_accepted)
-        model = [(k, n) for (k, n), m in zip(drafted_accepted, looked_up) if k and not m]
-        if model and predicted and "model_accepted_raw" in predicted:
+        model = [x for x, m in zip(drafted_accepted, looked_up) if not m]
+        if any(k for k, _ in model) and predicted and "model_accepted_raw" in predicted:
             b, d = len(drafted_accepted), self.calibration_decay
             p, r = self._calibration.get(b, (0.0, 0.0))
             self._calibration[b] = (d * p + predicted["model_accepted_raw"], d * r + sum(n for _, n in model))
-        self.model.observe([x for x, m in zip(drafted_accepted, looked_up) if not m])
+        self.model.observe(model)
         self.first.observe([x for x, m, f in zip(drafted_accepted, looked_up, first) if f and not m and x[0]])
         self.lookup.observe([x for x, m in zip(drafted_accepted, looked_up) if m])
 
