@@ -3,6 +3,7 @@ real types in route signatures): /v1/chat/completions, /v1/completions, /v1/mode
 /health and /metrics. It validates, authenticates and rate-limits, then hands sequences to the
 round loop, which batches all users into shared drafter and verifier calls."""
 
+import asyncio
 import hmac
 import json
 import logging
@@ -53,6 +54,17 @@ def load_api_keys(args: AppArgs) -> list[bytes]:
     return [k.encode() for k in keys]
 
 
+async def replicas_answer(handles, timeout_s: float) -> bool:
+    """Whether one replica of each deployment answers a cheap call within timeout_s. A request
+    sent while replicas still start waits for them (Serve queues it), but a load balancer asking
+    /health must hear "not yet" until a request could be served."""
+    try:
+        await asyncio.wait_for(asyncio.gather(*(h.where.remote() for h in handles)), timeout_s)
+        return True
+    except Exception:  # still starting, restarting, or gone: all "not ready"
+        return False
+
+
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -85,6 +97,8 @@ class OpenAIIngress:
                               prefetch=self.args.prefetch_drafts and drafter is not None,
                               decode_ahead=self.args.decode_ahead, transport=self.args.transport)
         self.has_drafter = drafter is not None
+        self.replicas = [h for h in (verifier, drafter) if h is not None]
+        self.ready_at = -1e9  # when the replicas last answered a readiness check
         self.created = now()
 
     # -- checks ------------------------------------------------------------------------------
@@ -147,6 +161,12 @@ class OpenAIIngress:
     # -- routes ------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self):
+        # a replica that answered within the last few seconds is not asked again: a load
+        # balancer polling /health must not add calls to a 2-core machine's busy replicas
+        if time.monotonic() - self.ready_at > 5.0:
+            if not await replicas_answer(self.replicas, timeout_s=2.0):
+                return JSONResponse({"status": "starting", "in_flight": self.loop.in_flight}, status_code=503)
+            self.ready_at = time.monotonic()
         return {"status": "ok", "in_flight": self.loop.in_flight}
 
     @app.get("/metrics")

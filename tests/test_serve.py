@@ -254,3 +254,21 @@ def test_metrics_and_health(server, client):
     assert {"busy_s", "cpu_s"} <= set(server["drafter"].stats.remote().result())
     r = httpx.get(server["url"] + "/v1/nope")
     assert r.status_code == 404 and "error" in r.json()
+
+
+def test_health_says_starting_until_every_deployment_answers():
+    import asyncio
+
+    from deployments.ingress import replicas_answer
+
+    class Handle:  # stands in for a DeploymentHandle whose replica answers after `delay` seconds
+        def __init__(self, delay):
+            self.where = self
+            self.delay = delay
+
+        def remote(self):
+            return asyncio.sleep(self.delay, result={"pid": 1})
+
+    up, starting = Handle(0.0), Handle(60.0)
+    assert asyncio.run(replicas_answer([up, up], timeout_s=0.5))
+    assert not asyncio.run(replicas_answer([up, starting], timeout_s=0.2))
