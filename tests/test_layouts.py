@@ -78,3 +78,27 @@ def test_budget_pays_one_onednn_copy_per_weight_and_falls_back_beyond_it(monkeyp
     assert list(tight.values()) == ["tpwww"]
     for m in model:
         m.set_kernels("")
+
+
+def test_decisions_are_cached_per_machine_and_shape(monkeypatch, tmp_path):
+    """A replica's later starts reuse what an earlier one timed; another shape, another thread
+    count (or a deleted file) times again."""
+    calls = []
+    monkeypatch.setattr(layouts, "decide", lambda w, *a: calls.append(tuple(w.shape)) or ("tww", "tww"))
+    model = torch.nn.Sequential(Linear(48, 32), Linear(48, 32), Linear(32, 16))  # two shapes
+    cache = tmp_path / "layouts.json"
+    first = tune_layouts(model, max_rows=2, pack_budget_bytes=0, cache=cache)
+    assert sorted(calls) == [(32, 16), (48, 32)] and cache.exists()
+    assert tune_layouts(model, max_rows=2, pack_budget_bytes=0, cache=cache) == first and len(calls) == 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        tune_layouts(model, max_rows=2, pack_budget_bytes=0, cache=cache)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 4
+    cache.write_text("{not json")  # a half-written file is not an error: it is timed again
+    tune_layouts(model, max_rows=2, pack_budget_bytes=0, cache=cache)
+    assert len(calls) == 6 and len(layouts._read_cache(cache)) == 2
+    for m in model:
+        m.set_kernels("")

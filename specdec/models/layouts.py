@@ -11,11 +11,19 @@ cost 3-10x oneDNN's there.
 An MKL-packed weight serves exactly one row count and costs about one more resident copy of the
 weight; a oneDNN-packed one serves every row count for one copy. Copies are limited to a byte
 budget, filled from the fewest rows up (bs 1 verification at small K is the common case), and
-MKL packing to PACK_ROWS."""
+MKL packing to PACK_ROWS.
+
+Timing every shape takes ~30 s on two cores, so decisions are kept in a small JSON file keyed by
+what they depend on (CPU, thread count, torch, shape, dtype): a replica's later starts reuse them.
+"""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import platform
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -92,19 +100,61 @@ def decide(weight_t: torch.Tensor, max_rows: int = 16, cold_bytes: float = 96e6,
     return "".join(kernels), "".join(unpacked)
 
 
+def machine_key() -> str:
+    """What a timing depends on besides the shape: the CPU (model and feature flags: a VM of the
+    same name may lack AMX), the thread team's size and torch's kernels."""
+    cpu = platform.processor()
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), cpu)
+        flags = next((x.split(":", 1)[1] for x in info if x.startswith("flags")), "")
+        cpu += " " + hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:8]
+    except OSError:
+        pass
+    return f"{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+
+
+def _read_cache(path: Path | None) -> dict:
+    try:
+        return json.loads(path.read_text()) if path is not None else {}
+    except (OSError, ValueError):  # missing or half-written by a crashed start: time again
+        return {}
+
+
+def _write_cache(path: Path, entries: dict) -> None:
+    from filelock import FileLock
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):  # replicas starting together each add their shapes
+        merged = {**_read_cache(path), **entries}
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+
+
 def tune_layouts(model: torch.nn.Module, max_rows: int = 16, cold_bytes: float = 96e6,
-                 pack_budget_bytes: float | None = None) -> dict:
+                 pack_budget_bytes: float | None = None, cache: Path | None = None) -> dict:
     """Set every Linear's kernel table (CPU only); returns the tables by weight shape.
     Packed copies are kept from the fewest rows up while they fit pack_budget_bytes
-    (default: SPECDEC_PACK_GB, 3 GB): an MKL one per row count, a oneDNN one per weight."""
+    (default: SPECDEC_PACK_GB, 3 GB): an MKL one per row count, a oneDNN one per weight.
+    With a cache file, shapes timed before on this machine are not timed again."""
     if pack_budget_bytes is None:
         pack_budget_bytes = float(os.environ.get("SPECDEC_PACK_GB", "3")) * 1e9
     mods = [m for m in model.modules() if isinstance(m, Linear) and m.weight_t.device.type == "cpu"]
     key = lambda m: (tuple(m.weight_t.shape), m.weight_t.dtype)  # noqa: E731
+    cached, timed, machine = _read_cache(cache), {}, machine_key()
     tables = {}
     for mod in mods:
-        if key(mod) not in tables:
-            tables[key(mod)] = decide(mod.weight_t.detach(), max_rows, cold_bytes)
+        k = key(mod)
+        if k in tables:
+            continue
+        name = f"{machine}|{'x'.join(map(str, k[0]))}|{k[1]}|rows={max_rows}|cold={cold_bytes:g}"
+        if name in cached:
+            tables[k] = tuple(cached[name])
+        else:
+            tables[k] = timed[name] = decide(mod.weight_t.detach(), max_rows, cold_bytes)
+    if cache is not None and timed:
+        _write_cache(cache, timed)
     bytes_per_key = {k: 0 for k in tables}
     for mod in mods:
         bytes_per_key[key(mod)] += mod.weight_t.numel() * mod.weight_t.element_size()
@@ -133,9 +183,16 @@ def describe(decided: dict) -> dict[str, str]:
 
 def maybe_tune(model: torch.nn.Module, min_params: int = 10_000_000) -> dict:
     """tune_layouts for real models on CPU; tiny test models are not worth the seconds.
-    SPECDEC_TUNE_LAYOUTS=0 turns it off (x @ W_t everywhere)."""
-    if os.environ.get("SPECDEC_TUNE_LAYOUTS", "1") == "0" or next(model.parameters()).device.type != "cpu":
+    SPECDEC_TUNE_LAYOUTS=0 turns it off (x @ W_t everywhere); =fresh deletes the cache file
+    ($SPECDEC_HOME/layouts.json) first, so every shape is timed again."""
+    mode = os.environ.get("SPECDEC_TUNE_LAYOUTS", "1")
+    if mode == "0" or next(model.parameters()).device.type != "cpu":
         return {}
     if sum(x.numel() for x in model.parameters()) < min_params:
         return {}
-    return tune_layouts(model)
+    from specdec.models.default import specdec_home
+
+    cache = specdec_home() / "layouts.json"
+    if mode == "fresh":
+        cache.unlink(missing_ok=True)
+    return tune_layouts(model, cache=cache)

@@ -16,6 +16,7 @@ every chat request shares the chat template's system prompt, and a multi-turn ch
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -28,6 +29,19 @@ from specdec.models.llama import BatchIndex, Transformer
 
 class ContextLengthError(ValueError):
     """A sequence would not fit in the model's context window."""
+
+
+def _zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor whose pages are touched only when used. On CPU torch.zeros writes every
+    byte up front: the default verifier's 3 GB of cache rows took 11-13 s on a fresh VM (each
+    page's first touch), most of a Verifier replica's start, for rows few sequences ever reach.
+    calloc (numpy's zeros) maps zero pages lazily instead; 64-byte aligned like torch's own."""
+    if device.type != "cpu":
+        return torch.zeros(shape, device=device, dtype=dtype)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = np.zeros(nbytes + 64, dtype=np.uint8)
+    start = -buf.ctypes.data % 64
+    return torch.from_numpy(buf[start:start + nbytes]).view(dtype).view(shape)
 
 
 @dataclass
@@ -49,10 +63,8 @@ class ModelRunner:
         self.device, self.dtype = p.device, p.dtype
         # one extra position per slot: the trash row that padded queries write to
         shape = (max_seqs, a.n_kv_heads, self.max_len + 1, a.head_dim)
-        self.caches = [
-            (torch.zeros(shape, device=self.device, dtype=self.dtype), torch.zeros(shape, device=self.device, dtype=self.dtype))
-            for _ in range(a.n_layers)
-        ]
+        self.caches = [(_zeros(shape, self.device, self.dtype), _zeros(shape, self.device, self.dtype))
+                       for _ in range(a.n_layers)]
         self.slots: OrderedDict[str, Slot] = OrderedDict()  # LRU order: oldest first
         self.free_slots = list(range(max_seqs - 1, -1, -1))  # in the order freed (never-used ones first)
         self.cached: dict[int, list[int]] = {}  # free slot index -> tokens its K/V rows still hold
