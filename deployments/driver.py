@@ -44,13 +44,14 @@ class RoundLoop:
     def __init__(self, drafter, verifier, max_batch_size: int, num_shards: int = 1, adaptive: AdaptiveK | None = None,
                  verify_retry_s: float = 30.0, drafter_timeout_s: float = 5.0, decode_steps: int = 1,
                  lookup_min_n: int = 0, observe_call=None, prefetch: bool = False, decode_ahead: bool = False,
-                 transport: str = "grpc"):
+                 transport: str = "grpc", prefill_steps: int | None = None):
         self.drafter, self.verifier = Transport(drafter, transport), Transport(verifier, transport)
         self.max_batch_size, self.num_shards = max_batch_size, num_shards
         self.adaptive = adaptive
         self.verify_retry_s = verify_retry_s
         self.drafter_timeout_s = drafter_timeout_s
         self.decode_steps = decode_steps
+        self.prefill_steps = prefill_steps  # steps in a round that prefills (None: decode_steps)
         # the Verifier gets the Drafter's drafts (one call per round) and has the next round's
         # drafted right after its pass
         self.prefetch = prefetch
@@ -156,7 +157,7 @@ class RoundLoop:
         for name, (idx, reqs) in groups.items():
             t0 = time.perf_counter()
             rnd.set_proposals(idx, await self._propose(shard, name, reqs), time.perf_counter() - t0)
-        vreqs = rnd.verify_requests(self.decode_steps, fetch, self.decode_ahead)
+        vreqs = rnd.verify_requests(self.decode_steps, fetch, self.decode_ahead, self.prefill_steps)
         for i in fetch:
             # a sequence drafted for now will most likely want drafts again next round, at the
             # same K: the Verifier has them made as soon as its pass is done

@@ -95,7 +95,8 @@ class OpenAIIngress:
                               self.args.verifier_retry_s, self.args.drafter_timeout_s, self.args.decode_steps,
                               self.args.lookup_min_n, self.metrics.observe_call,
                               prefetch=self.args.prefetch_drafts and drafter is not None,
-                              decode_ahead=self.args.decode_ahead, transport=self.args.transport)
+                              decode_ahead=self.args.decode_ahead, transport=self.args.transport,
+                              prefill_steps=self.args.prefill_steps)
         self.has_drafter = drafter is not None
         self.replicas = [h for h in (verifier, drafter) if h is not None]
         self.ready_at = -1e9  # when the replicas last answered a readiness check

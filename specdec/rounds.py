@@ -82,13 +82,18 @@ class Round:
         if self.adaptive is not None and all(self.batch[i].metrics.num_drafted for i in idx):
             self.adaptive.observe_draft(len(idx), k, seconds)
 
-    def verify_requests(self, decode_steps: int = 1, fetch: list[int] = (), ahead: bool = False) -> list[VerifyRequest]:
+    def verify_requests(self, decode_steps: int = 1, fetch: list[int] = (), ahead: bool = False,
+                        prefill_steps: int | None = None) -> list[VerifyRequest]:
         """decode_steps > 1: if no sequence has drafts this round, ask for that many plain
         decoding steps in the one verifier call (each capped by what its sequence may emit).
+        prefill_steps: at most that many in a round that prefills a prompt (a remote verifier's
+        call streams nothing until it returns: 1 sends a new request's first token after its prefill)
         fetch: batch indices whose drafts the verifier gets from the drafter itself. ahead: a
         sequence without drafts has the verifier decode its next decode_steps plain steps right
         after this call (a remote verifier: they are made while the result travels)."""
         steps = 1 if fetch or any(d.token_ids for d in self.drafts) else decode_steps
+        if self.prefill_verify and prefill_steps is not None:
+            steps = min(steps, prefill_steps)
         reqs = [VerifyRequest(s.seq_id, list(s.tokens), d.token_ids, d.probs, s.params, max(1, min(steps, s.room())),
                               stop_ids=tuple(s.stop_ids))
                 for s, d in zip(self.batch, self.drafts)]

@@ -195,6 +195,26 @@ def test_multi_step_decoding_equals_single_steps(tiny_target, params):
     assert all(s.metrics.num_verifier_passes == 13 for s in seqs)
 
 
+def test_a_round_that_prefills_takes_prefill_steps(tiny_target):
+    """Serve streams a call's tokens when it returns: the round that prefills a new prompt runs
+    one step (its first token goes out after the prefill), later rounds decode_steps, and the
+    tokens are the same."""
+    from specdec.rounds import Round
+
+    params = SamplingParams(max_tokens=13, ignore_eos=True)
+    prompts = ragged_prompts(3)
+    want = make_engine(tiny_target, k=0).generate(prompts, params)
+    eng = make_engine(tiny_target, k=0)
+    seqs = [eng.add_request(p, params) for p in prompts]
+    emitted = []
+    while any(not s.finished for s in seqs):
+        rnd = Round([s for s in seqs if not s.finished], eng._proposer_of, None)
+        rnd.commit(eng.verifier.verify(rnd.verify_requests(decode_steps=4, prefill_steps=1)), 0.0)
+        emitted.append(len(seqs[0].output_ids))
+    assert [s.output_ids for s in seqs] == [w.token_ids for w in want]
+    assert emitted == [1, 5, 9, 13]
+
+
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=13, ignore_eos=True),
                                     SamplingParams(max_tokens=13, ignore_eos=True, temperature=0.9, seed=7)],
                          ids=["greedy", "sampled"])
