@@ -309,3 +309,16 @@ def test_ragged_forward_runs_real_tokens_only_and_equals_one_by_one(tiny_target)
 class _Seq:
     def __init__(self, seq_id, tokens):
         self.seq_id, self.tokens = seq_id, tokens
+
+
+def test_cache_rows_start_zero_and_outlive_their_mapping_handle():
+    import gc
+
+    from specdec.models.runner import _zeros
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x = _zeros((3, 2, 5, 4), torch.device("cpu"), dtype)
+        gc.collect()  # the tensor alone must keep its memory alive
+        assert x.shape == (3, 2, 5, 4) and x.dtype == dtype and x.is_contiguous() and not x.any()
+        x[1, :, 2] = 7
+        assert x.sum().item() == 7 * 2 * 4

@@ -17,6 +17,7 @@ every chat request shares the chat template's system prompt, and a multi-turn ch
 from __future__ import annotations
 
 import math
+import mmap
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -32,16 +33,17 @@ class ContextLengthError(ValueError):
 
 
 def _zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor whose pages are touched only when used. On CPU torch.zeros writes every
-    byte up front: the default verifier's 3 GB of cache rows took 11-13 s on a fresh VM (each
-    page's first touch), most of a Verifier replica's start, for rows few sequences ever reach.
-    calloc (numpy's zeros) maps zero pages lazily instead; 64-byte aligned like torch's own."""
-    if device.type != "cpu":
+    """A zero tensor whose pages are mapped only when first written. On CPU torch.zeros writes
+    every byte up front: the default verifier's 3 GB of cache rows took 11-13 s of a Verifier
+    replica's start on a fresh VM (each page's first touch), for rows few sequences ever reach.
+    An anonymous mapping is zero and lazy; without huge pages, since with transparent huge pages
+    ("always" here) writing a slot's first rows faulted in 2 MB per row block: 5 s for 4 new
+    slots in the middle of serving. With 4 KB pages 4 slots' first 90 positions take ~12 ms."""
+    if device.type != "cpu" or not hasattr(mmap, "MADV_NOHUGEPAGE"):
         return torch.zeros(shape, device=device, dtype=dtype)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    buf = np.zeros(nbytes + 64, dtype=np.uint8)
-    start = -buf.ctypes.data % 64
-    return torch.from_numpy(buf[start:start + nbytes]).view(dtype).view(shape)
+    buf = mmap.mmap(-1, math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+    buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps buf alive
 
 
 @dataclass
