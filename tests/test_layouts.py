@@ -100,5 +100,8 @@ def test_decisions_are_cached_per_machine_and_shape(monkeypatch, tmp_path):
     cache.write_text("{not json")  # a half-written file is not an error: it is timed again
     tune_layouts(model, max_rows=2, pack_budget_bytes=0, cache=cache)
     assert len(calls) == 6 and len(layouts._read_cache(cache)) == 2
+    blocked = tmp_path / "file" / "layouts.json"  # its directory cannot be made: not an error
+    (tmp_path / "file").write_text("")
+    tune_layouts(model, max_rows=2, pack_budget_bytes=0, cache=blocked)
     for m in model:
         m.set_kernels("")

@@ -154,7 +154,10 @@ def tune_layouts(model: torch.nn.Module, max_rows: int = 16, cold_bytes: float =
         else:
             tables[k] = timed[name] = decide(mod.weight_t.detach(), max_rows, cold_bytes)
     if cache is not None and timed:
-        _write_cache(cache, timed)
+        try:
+            _write_cache(cache, timed)
+        except OSError:  # a read-only home: the next start times again, nothing worse
+            pass
     bytes_per_key = {k: 0 for k in tables}
     for mod in mods:
         bytes_per_key[key(mod)] += mod.weight_t.numel() * mod.weight_t.element_size()
