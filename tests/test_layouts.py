@@ -82,7 +82,7 @@ def test_budget_pays_one_onednn_copy_per_weight_and_falls_back_beyond_it(monkeyp
 
 def test_decisions_are_cached_per_machine_and_shape(monkeypatch, tmp_path):
     """A replica's later starts reuse what an earlier one timed; another shape, another thread
-    count (or a deleted file) times again."""
+    count (or a corrupt file) times again, and a file that cannot be written is no error."""
     calls = []
     monkeypatch.setattr(layouts, "decide", lambda w, *a: calls.append(tuple(w.shape)) or ("tww", "tww"))
     model = torch.nn.Sequential(Linear(48, 32), Linear(48, 32), Linear(32, 16))  # two shapes
