@@ -19,7 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.config import AppArgs
 from deployments.driver import Entry, RoundLoop
-from deployments.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, new_id, now
+from deployments.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs,
+                                         completion_logprobs, new_id, now)
 
 log = logging.getLogger("ray.serve")
 app = FastAPI(title="specdec", description="Speculative decoding with an OpenAI-compatible API")
@@ -155,7 +156,7 @@ class OpenAIIngress:
             k = 0
         params = SamplingParams(max_tokens=max_tokens or min(self.args.default_max_tokens, room),
                                 temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
-                                stop=req.stops(), ignore_eos=req.ignore_eos)
+                                stop=req.stops(), ignore_eos=req.ignore_eos, logprobs=req.num_logprobs())
         seq = Sequence(new_id("seq"), prompt_ids, params, k, limit, self.tok.eos_token_ids, self.tok.decode)
         return seq, (proposer if k > 0 else None)
 
@@ -185,6 +186,7 @@ class OpenAIIngress:
     async def chat(self, body: ChatCompletionRequest, request: Request):
         who = self._authorize(request)
         self._check_model(body.model)
+        body.check_supported()
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         try:
             ids = self.tok.chat(messages)
@@ -198,6 +200,7 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest, request: Request):
         who = self._authorize(request)
         self._check_model(body.model)
+        body.check_supported()
         ids = body.prompt if isinstance(body.prompt, list) else self.tok.encode(body.prompt)
         if not ids:
             raise APIError(400, "prompt is empty", param="prompt")
@@ -222,9 +225,10 @@ class OpenAIIngress:
             self.loop.abort(entry)
             raise
         self._record(seq)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": seq.text}, "logprobs": None,
-                   "finish_reason": seq.finish_reason} if chat else
-                  {"index": 0, "text": seq.text, "logprobs": None, "finish_reason": seq.finish_reason})
+        choice = ({"index": 0, "message": {"role": "assistant", "content": seq.text},
+                   "logprobs": self._logprobs(seq.logprobs, chat), "finish_reason": seq.finish_reason} if chat else
+                  {"index": 0, "text": seq.text, "logprobs": self._logprobs(seq.logprobs, chat),
+                   "finish_reason": seq.finish_reason})
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                              "created": now(), "model": self.args.model_name, "choices": [choice],
                              "usage": self._usage(seq)},
@@ -235,12 +239,19 @@ class OpenAIIngress:
         seq = entry.seq
         obj = "chat.completion.chunk" if chat else "text_completion"
 
+        pending: list = []  # logprobs of tokens whose text is not out yet (a half character, a possible stop string)
+        offset = 0  # output characters streamed before this chunk (completions' text_offset)
+
         def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+            nonlocal offset
+            lps = None if first or seq.logprobs is None else self._logprobs(pending, chat, offset)
+            pending.clear()
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": finish}
+            offset += len(text or "")
             return _sse({"id": rid, "object": obj, "created": now(), "model": self.args.model_name, "choices": [choice]})
 
         try:
@@ -252,6 +263,7 @@ class OpenAIIngress:
                 except APIError as err:
                     yield _sse(err.body())
                     break
+                pending += d.logprobs or []
                 if d.text or d.finished:  # one chunk per accepted block
                     yield chunk(d.text, d.finish_reason if d.finished else None)
                 if d.finished:
@@ -265,6 +277,11 @@ class OpenAIIngress:
             if not seq.finished:  # the client disconnected mid-stream: free its caches now
                 self.loop.abort(entry)
                 self.metrics.disconnects.inc()
+
+    def _logprobs(self, lps, chat: bool, offset: int = 0) -> dict | None:
+        if lps is None:
+            return None
+        return chat_logprobs(lps, self.tok.token_text) if chat else completion_logprobs(lps, self.tok.token_text, offset)
 
     def _usage(self, seq) -> dict:
         return {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids),

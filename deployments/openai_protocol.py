@@ -8,6 +8,8 @@ from typing import Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from specdec.sampling import MAX_LOGPROBS
+
 
 class APIError(Exception):
     """Raised anywhere in a request; rendered as OpenAI's error body with the given status."""
@@ -29,8 +31,18 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI / vLLM fields this server does not implement, with the values that ask for nothing
+# (clients such as LangChain send them at their defaults): any other value is a 400 naming the
+# field, never silently different output
+UNSUPPORTED = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+               "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+               "response_format": ({"type": "text"},), "best_of": (1,), "echo": (False,), "suffix": ("",),
+               "min_tokens": (0,), "prompt_logprobs": (0,)}
+
+
 class _Sampling(BaseModel):
-    # unknown fields (logprobs, user, ...) are accepted and ignored, as vLLM does
+    # unknown fields (user, metadata, ...) are accepted and ignored, as vLLM does; known ones
+    # this server does not implement are refused unless at a value that asks for nothing
     model_config = ConfigDict(extra="allow")
 
     model: str
@@ -46,6 +58,12 @@ class _Sampling(BaseModel):
     num_speculative_tokens: int | None = Field(None, ge=0, le=16, description="Extension: K for this request; 0 = off.")
     proposer: Literal["draft", "ngram", "none"] | None = Field(None, description="Extension: which proposer drafts.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
+
+    def check_supported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and value is not None and value not in UNSUPPORTED[name]:
+                raise APIError(400, f"{name}={value!r} is not supported by this server", param=name,
+                               code="unsupported_parameter")
 
     def stops(self) -> list[str]:
         s = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -70,10 +88,46 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = Field(False, description="Return each output token's log-probability under the verifier.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="... and this many likeliest alternatives.")
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "logprobs must be true when top_logprobs is set", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] = Field(..., description="A single prompt: text or token ids.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="Each output token's log-probability and this many likeliest alternatives.")
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+def _clamped(lp: float) -> float:
+    return max(lp, -9999.0)  # JSON has no -inf (vLLM clamps the same way)
+
+
+def chat_logprobs(lps, token_text) -> dict:
+    """A choice's `logprobs` in the chat API's shape, from specdec TokenLogprobs."""
+    def entry(tid: int, lp: float) -> dict:
+        t = token_text(tid)
+        return {"token": t, "logprob": _clamped(lp), "bytes": list(t.encode("utf-8"))}
+
+    return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(i, v) for i, v in x.top]} for x in lps]}
+
+
+def completion_logprobs(lps, token_text, offset: int = 0) -> dict:
+    """A choice's `logprobs` in the legacy completions shape; offset: characters of output
+    before these tokens (a stream's earlier chunks). As vLLM does, each position's alternatives
+    include the token itself."""
+    tokens = [token_text(x.token_id) for x in lps]
+    offsets = [offset + sum(len(t) for t in tokens[:j]) for j in range(len(tokens))]
+    top = [{token_text(i): _clamped(v) for i, v in x.top + [(x.token_id, x.logprob)]} for x in lps]
+    return {"tokens": tokens, "token_logprobs": [_clamped(x.logprob) for x in lps], "top_logprobs": top,
+            "text_offset": offsets}
 
 
 def new_id(prefix: str) -> str:

@@ -39,11 +39,11 @@ def cmd_generate(a) -> int:
     engine = SpecEngine.from_config(engine_config(a))
     prompt = [{"role": "user", "content": a.prompt}] if not a.raw else a.prompt
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                            seed=a.seed, stop=a.stop or [])
+                            seed=a.seed, stop=a.stop or [], logprobs=a.logprobs)
     c = engine.generate([prompt], params)[0]
     m = c.metrics.to_dict()
     if a.json:
-        print(json.dumps({"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason, "metrics": m}))
+        print(json.dumps(c.to_dict()))
     else:
         print(c.text)
         print("\n--- speculation ---", file=sys.stderr)
@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each token's log-probability and its N likeliest alternatives")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(fn=cmd_generate)
     sub.add_parser("bench", help="speculation benchmark (specdec bench --help)")

@@ -13,6 +13,7 @@ from specdec.config import EngineConfig
 from specdec.metrics import SpecMetrics, aggregate
 from specdec.models.runner import ModelRunner
 from specdec.adaptive import AdaptiveK
+from specdec.protocol import TokenLogprob
 from specdec.proposers import DraftModelProposer, NgramProposer, Proposer, lookup_proposer
 from specdec.rounds import Round, timed
 from specdec.sampling import SamplingParams
@@ -28,10 +29,14 @@ class Completion:
     token_ids: list[int]
     finish_reason: str | None
     metrics: SpecMetrics
+    logprobs: list[TokenLogprob] | None = None  # [len(token_ids)] when SamplingParams.logprobs was set
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "metrics": self.metrics.to_dict()}
+        out = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+               "metrics": self.metrics.to_dict()}
+        if self.logprobs is not None:
+            out["logprobs"] = [{"token_id": t.token_id, "logprob": t.logprob, "top": t.top} for t in self.logprobs]
+        return out
 
 
 def build_proposer(spec: str, cfg: EngineConfig, verifier_model=None) -> Proposer | None:
@@ -165,7 +170,8 @@ class SpecEngine:
 
 
 def completion(s: Sequence) -> Completion:
-    return Completion(s.seq_id, s.text, list(s.output_ids), s.finish_reason, s.metrics)
+    return Completion(s.seq_id, s.text, list(s.output_ids), s.finish_reason, s.metrics,
+                      None if s.logprobs is None else list(s.logprobs))
 
 
 def summarize(completions: list[Completion]) -> dict:

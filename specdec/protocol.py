@@ -51,6 +51,16 @@ class VerifyRequest:
 
 
 @dataclass
+class TokenLogprob:
+    """An emitted token's log-probability under the verifier's raw distribution (before
+    temperature, top-k and top-p, as vLLM reports by default), with the likeliest alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), likeliest first; as many as asked
+
+
+@dataclass
 class VerifyResult:
     token_ids: list[int]  # accepted drafts, one recovered or bonus token, then any further plain steps
     num_accepted: int  # drafts accepted (len(token_ids) - 1)
@@ -59,3 +69,4 @@ class VerifyResult:
     num_passes: int = 1  # verifier forward passes that produced token_ids (num_steps of the request)
     draft_s: float = 0.0  # with fetch_k: seconds the verifier waited for the call's drafts (0 if prefetched in time)
     draft_failed: bool = False  # with fetch_k: the drafter did not answer; verified without drafts
+    logprobs: list[TokenLogprob] | None = None  # [len(token_ids)] when the request's params ask for them

@@ -101,7 +101,7 @@ class Round:
             reqs[i].fetch_k, reqs[i].feature = self.ks[i], self.batch[i].feature
         if ahead:
             for r, s in zip(reqs, self.batch):
-                if not r.draft_token_ids and not r.fetch_k:
+                if not r.draft_token_ids and not r.fetch_k and s.params.logprobs is None:  # ahead keeps no logprobs
                     r.ahead_steps = max(0, min(decode_steps, s.room() - r.num_steps))
         return reqs
 

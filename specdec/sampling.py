@@ -13,6 +13,9 @@ import torch
 from torch import Tensor
 
 
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (vLLM's and OpenAI's chat limit)
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 128  # new tokens to generate at most
@@ -23,6 +26,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings: output ends before the first one
     stop_token_ids: list[int] = field(default_factory=list)  # extra end-of-sequence ids
     ignore_eos: bool = False  # keep going past EOS (benchmarks want fixed lengths)
+    logprobs: int | None = None  # None: none; n >= 0: each output token's log-probability and its n likeliest alternatives
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -33,6 +37,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
         if self.seed is None:
             self.seed = random.getrandbits(63)
 

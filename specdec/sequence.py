@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from specdec.metrics import SpecMetrics
 from specdec.models.runner import ContextLengthError
-from specdec.protocol import VerifyResult
+from specdec.protocol import TokenLogprob, VerifyResult
 from specdec.sampling import SamplingParams
 
 
@@ -21,6 +21,7 @@ class Delta:
     text: str
     finished: bool
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
+    logprobs: list[TokenLogprob] | None = None  # one per token this round kept, when the request asked for them
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Sequence:
     finish_reason: str | None = None
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     feature: object = None  # verifier feature that predicted tokens[-1] (None until the first pass)
+    logprobs: list[TokenLogprob] | None = None  # [len(output_ids)] when params.logprobs is set
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -49,6 +51,8 @@ class Sequence:
         self.metrics.num_prompt_tokens = len(self.prompt_ids)
         self.stop_ids = set() if self.params.ignore_eos else set(self.eos_token_ids)
         self.stop_ids |= set(self.params.stop_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def finished(self) -> bool:
@@ -76,8 +80,11 @@ class Sequence:
             if len(new) >= self.room():
                 self.finish_reason = "length"
                 break
+        first = len(self.output_ids)
         self.output_ids.extend(new)
         self.tokens.extend(new)
+        if self.logprobs is not None:
+            self.logprobs += (result.logprobs or [])[: len(new)]
         self.feature = result.feature if len(new) == len(result.token_ids) else None
         text = self._advance_text(len(new))
         now = time.perf_counter()
@@ -86,7 +93,8 @@ class Sequence:
         self.metrics.num_output_tokens = len(self.output_ids)
         if self.finished:
             self.metrics.t_finish = now
-        return Delta(new, text, self.finished, self.finish_reason)
+        return Delta(new, text, self.finished, self.finish_reason,
+                     None if self.logprobs is None else self.logprobs[first:])
 
     def _stop_at(self, text: str) -> int:
         start = max(0, len(self.text) - max(map(len, self.params.stop)))
@@ -104,6 +112,8 @@ class Sequence:
             n = next(n for n in range(first + 1, len(self.output_ids) + 1) if self._stop_at(self.decode(self.output_ids[:n])) >= 0)
             dropped = len(self.output_ids) - n
             del self.output_ids[n:]
+            if self.logprobs is not None:
+                del self.logprobs[n:]
             if dropped:
                 del self.tokens[-dropped:]
             full = full[:cut]

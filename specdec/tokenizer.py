@@ -18,6 +18,10 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token on its own, special tokens included (logprobs name every token they list)."""
+        return self.hf.decode([token_id])
+
     def chat(self, messages: list[dict]) -> list[int]:
         out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(out, dict) or hasattr(out, "input_ids"):  # transformers 5 may return a BatchEncoding

@@ -16,9 +16,18 @@ import torch
 from torch import Tensor
 
 from specdec.models.runner import ModelRunner
-from specdec.protocol import VerifyRequest, VerifyResult
+from specdec.protocol import TokenLogprob, VerifyRequest, VerifyResult
 from specdec.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
 from specdec.sampling import logits_to_probs, round_generator
+
+
+def token_logprobs(logits: Tensor, token_ids: list[int], n: int) -> list[TokenLogprob]:
+    """Each token's log-probability under the raw logits of the row that produced it, and the
+    row's n likeliest tokens. logits [T, V], token_ids [T]."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [T, V]
+    chosen = lp[torch.arange(len(token_ids), device=lp.device), torch.tensor(token_ids, device=lp.device)].tolist()  # [T]
+    top_lp, top_ids = lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())  # [T, n]
+    return [TokenLogprob(t, c, list(zip(i, v))) for t, c, i, v in zip(token_ids, chosen, top_ids.tolist(), top_lp.tolist())]
 
 
 @dataclass
@@ -59,8 +68,8 @@ class Verifier:
         """A plain request's steps, if they were decoded ahead from its very tokens."""
         a = self.ahead.get(r.seq_id)
         n, m = len(r.tokens), r.num_steps
-        if a is None or r.draft_token_ids or r.fetch_k or not a.start <= n or n + m > len(a.tokens) \
-                or a.tokens[:n] != r.tokens:
+        if a is None or r.draft_token_ids or r.fetch_k or r.params.logprobs is not None or not a.start <= n \
+                or n + m > len(a.tokens) or a.tokens[:n] != r.tokens:
             self.ahead.pop(r.seq_id, None)  # drafted for, or other tokens: what is ahead is stale
             return None
         toks = a.tokens[n : n + m]
@@ -79,7 +88,8 @@ class Verifier:
         todo: list[tuple[VerifyRequest, Ahead]] = []
         for r, res in zip(requests, results):
             toks = r.tokens + res.token_ids
-            if r.ahead_steps <= 0 or any(t in r.stop_ids for t in res.token_ids) or not keep(r.seq_id):
+            if r.ahead_steps <= 0 or r.params.logprobs is not None or any(t in r.stop_ids for t in res.token_ids) \
+                    or not keep(r.seq_id):
                 continue
             a = self.ahead.get(r.seq_id)
             if a is None or len(a.tokens) < len(toks) or a.tokens[: len(toks)] != toks:
@@ -109,15 +119,18 @@ class Verifier:
         inputs = [[t] + r.draft_token_ids for t, r in zip(last, requests)]  # [B, K_i + 1] ragged
         hidden, valid = self.runner.forward(ids, inputs)  # [B, T, dim]
         hidden = hidden[valid]  # [sum(K_i + 1), dim], only the real rows
-        out = self._sample(requests, ks, self.runner.model.logits(hidden), step=0)  # logits [sum(K_i + 1), V]
+        logits = self.runner.model.logits(hidden)  # [sum(K_i + 1), V]
+        out = self._sample(requests, ks, logits, step=0)  # [B, max(K_i) + 1], placeholder-padded
         toks = [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in out.tolist()]
         # row n of a request's block produced its last token; that row's feature seeds the next
         # draft (gathered and copied to the host at once: a copy per request waits on the device each time)
-        starts = itertools.accumulate((k + 1 for k in ks), initial=0)
+        starts = list(itertools.accumulate((k + 1 for k in ks), initial=0))  # each block's first row
         feats = hidden[[r0 + len(t) - 1 for r0, t in zip(starts, toks)]].float().cpu()  # [B, dim]
         results = []
-        for b, k in enumerate(ks):
+        for b, (k, r0) in enumerate(zip(ks, starts)):
             results.append(VerifyResult(toks[b], len(toks[b]) - 1, k, feats[b].clone()))
+            if requests[b].params.logprobs is not None:  # row j of the block produced token j
+                results[b].logprobs = token_logprobs(logits[r0 : r0 + len(toks[b])], toks[b], requests[b].params.logprobs)
             if features is not None:
                 features[b].append(results[-1].feature)
         self.passes += 1
@@ -155,11 +168,14 @@ class Verifier:
             ids = [requests[b].seq_id for b in idx]
             hidden, _ = self.runner.forward(ids, [[results[b].token_ids[-1]] for b in idx])  # [B', 1, dim]
             hidden = hidden[:, 0]  # [B', dim]
-            out = self._sample([requests[b] for b in idx], [0] * len(idx), self.runner.model.logits(hidden), step)
+            logits = self.runner.model.logits(hidden)  # [B', V]
+            out = self._sample([requests[b] for b in idx], [0] * len(idx), logits, step)
             feats = hidden.float().cpu()  # [B', dim]
             for j, b in enumerate(idx):  # out: [B', 1]
                 results[b].token_ids.append(int(out[j, 0]))
                 results[b].num_passes += 1
+                if results[b].logprobs is not None:
+                    results[b].logprobs += token_logprobs(logits[j : j + 1], [int(out[j, 0])], requests[b].params.logprobs)
                 # the last step's feature seeds the next draft (one that stops early at a stop token
                 # ends its sequence, which drafts no more); decoding ahead keeps every step's
                 if step == steps[b] - 1 or features is not None:

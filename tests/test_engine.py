@@ -322,3 +322,70 @@ def test_cache_rows_start_zero_and_outlive_their_mapping_handle():
         assert x.shape == (3, 2, 5, 4) and x.dtype == dtype and x.is_contiguous() and not x.any()
         x[1, :, 2] = 7
         assert x.sum().item() == 7 * 2 * 4
+
+
+def reference_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output), V] log-probabilities of a fresh one-pass forward over prompt + output: row j
+    is the distribution output[j] was drawn from."""
+    from specdec.models.runner import ModelRunner
+
+    fresh = ModelRunner(model, 2, 512, prefix_caching=False)
+    toks = prompt + output[:-1]
+    fresh.sync(["ref"], [toks + [0]], [0])
+    hidden, valid = fresh.forward(["ref"], [toks])  # [1, T, dim]
+    return torch.log_softmax(model.logits(hidden[valid]).float(), -1)[len(prompt) - 1 :]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_logprobs_are_the_verifiers_whatever_the_round_shape(tiny_target, sampled):
+    """Each output token's log-probability (and its likeliest alternatives) is the verifier's own
+    at that position, equal to a fresh one-pass recompute, whether the token came from a verify
+    pass over drafts (accepted, recovered or bonus), a plain step, or a multi-step call."""
+    from specdec.rounds import Round
+
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=3, temperature=0.8 if sampled else 0.0, seed=5)
+    prompts = ragged_prompts(3)
+    spec = make_engine(tiny_target, noisy_copy(tiny_target, 0.3), k=4).generate(prompts, params)
+    assert sum(c.metrics.num_accepted for c in spec) > 0  # drafts were accepted and others rejected
+    eng = make_engine(tiny_target, k=0)  # ... and 4-step plain calls
+    seqs = [eng.add_request(p, params) for p in prompts]
+    while any(not s.finished for s in seqs):
+        rnd = Round([s for s in seqs if not s.finished], eng._proposer_of, None)
+        rnd.commit(eng.verifier.verify(rnd.verify_requests(decode_steps=4)), 0.0)
+    for p, c, s in zip(prompts, spec, seqs):
+        for out, lps in ((c.token_ids, c.logprobs), (s.output_ids, s.logprobs)):
+            ref = reference_logprobs(tiny_target, p, out)  # [n, V]
+            assert len(lps) == len(out) == 20
+            assert [t.token_id for t in lps] == out
+            torch.testing.assert_close(torch.tensor([t.logprob for t in lps]), ref[torch.arange(20), torch.tensor(out)],
+                                       atol=1e-4, rtol=0)
+            for t, row in zip(lps, ref):
+                assert [i for i, _ in t.top] == row.topk(3).indices.tolist()
+                torch.testing.assert_close(torch.tensor([v for _, v in t.top]), row.topk(3).values, atol=1e-4, rtol=0)
+                if not sampled:
+                    assert t.top[0][0] == t.token_id  # greedy: the token is its row's argmax
+    if not sampled:
+        assert [c.token_ids for c in spec] == [s.output_ids for s in seqs]
+
+
+def test_logprobs_follow_the_kept_tokens_through_stops():
+    """A stop token is not emitted and neither is its logprob; tokens cut after a stop string lose
+    theirs; a request without logprobs carries none."""
+    from specdec.protocol import TokenLogprob, VerifyResult
+    from specdec.sequence import Sequence
+
+    def lp(t):
+        return TokenLogprob(t, -float(t), [(t, -float(t))])
+
+    decode = lambda ids: "".join(chr(96 + t) for t in ids)  # 1 -> 'a', 2 -> 'b', ...
+    s = Sequence("a", [1, 2], SamplingParams(max_tokens=10, stop=["cd"], logprobs=1), 4, 64, {9}, decode)
+    d = s.commit(VerifyResult([1, 2], 1, 1, logprobs=[lp(1), lp(2)]))
+    assert [t.token_id for t in d.logprobs] == [1, 2] and d.text == "ab"
+    d = s.commit(VerifyResult([3, 4, 5], 2, 2, logprobs=[lp(3), lp(4), lp(5)]))  # 'cd' completes at 4: 5 is cut
+    assert s.output_ids == [1, 2, 3, 4] and [t.token_id for t in s.logprobs] == [1, 2, 3, 4]
+    assert [t.token_id for t in d.logprobs] == [3, 4] and s.finish_reason == "stop"
+    s = Sequence("b", [1], SamplingParams(max_tokens=10, logprobs=0), 4, 64, {9}, decode)
+    d = s.commit(VerifyResult([6, 9, 7], 2, 2, logprobs=[lp(6), lp(9), lp(7)]))  # EOS (9) ends it
+    assert [t.token_id for t in s.logprobs] == [6] and [t.token_id for t in d.logprobs] == [6]
+    s = Sequence("c", [1], SamplingParams(max_tokens=10), 4, 64, {9}, decode)
+    assert s.commit(VerifyResult([6], 0, 0)).logprobs is None and s.logprobs is None

@@ -182,6 +182,10 @@ def test_sixteen_concurrent_users_share_verifier_passes(client, server, referenc
     ({"top_p": 0}, 400, "top_p"),
     ({"model": "gpt-17"}, 404, "model"),
     ({"num_speculative_tokens": 99}, 400, "num_speculative_tokens"),
+    ({"top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
+    ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"presence_penalty": 0.5}, 400, "presence_penalty"),  # known but not implemented: refused, not ignored
+    ({"logit_bias": {"5": 10}}, 400, "logit_bias"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, param):
     r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 5, **body})
@@ -189,6 +193,43 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
+
+
+def test_logprobs_over_http_are_the_engines(client, reference):
+    """Chat and completions logprobs in OpenAI's shapes, streamed or not, equal the in-process
+    engine's (the verifier's own, whichever round made each token); unimplemented fields at
+    their do-nothing values are accepted."""
+    from specdec.sampling import SamplingParams
+
+    want = reference.generate([CHAT], SamplingParams(max_tokens=24, logprobs=2))[0]
+    text = reference.tokenizer.token_text
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=24, temperature=0, logprobs=True,
+                                       top_logprobs=2, presence_penalty=0, logit_bias={})
+    got = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == want.text and len(got) == len(want.token_ids) == r.usage.completion_tokens
+    assert [g.token for g in got] == [text(t) for t in want.token_ids]
+    assert all(g.bytes == list(g.token.encode()) and len(g.top_logprobs) == 2 for g in got)
+    assert [g.top_logprobs[0].token for g in got] == [g.token for g in got]  # greedy: each token is its argmax
+    assert [g.logprob for g in got] == pytest.approx([w.logprob for w in want.logprobs], abs=1e-4)
+    streamed = [c.choices[0].logprobs for c in client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=24, temperature=0, logprobs=True, top_logprobs=2, stream=True)
+        if c.choices and c.choices[0].logprobs]
+    assert [x.token for lp in streamed for x in lp.content] == [g.token for g in got]
+    assert [x.logprob for lp in streamed for x in lp.content] == pytest.approx([g.logprob for g in got], abs=1e-4)
+    plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+    c = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0, logprobs=1)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(12)]
+    assert all(lp.tokens[j] in lp.top_logprobs[j] and lp.top_logprobs[j][lp.tokens[j]] == lp.token_logprobs[j]
+               for j in range(12))
+    parts = [p.choices[0].logprobs for p in client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0, logprobs=1, stream=True)
+        if p.choices[0].logprobs and p.choices[0].logprobs.tokens]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
 
 
 def test_auth(server):
