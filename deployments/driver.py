@@ -80,8 +80,11 @@ class RoundLoop:
     def in_flight(self) -> int:
         return sum(len(v) for v in self.shards.values())
 
+    def shard_of(self, seq_id: str) -> str:
+        return f"shard-{zlib.crc32(seq_id.encode()) % self.num_shards}"
+
     def submit(self, seq: Sequence, proposer: str | None, timeout_s: float) -> Entry:
-        shard = f"shard-{zlib.crc32(seq.seq_id.encode()) % self.num_shards}"
+        shard = self.shard_of(seq.seq_id)
         e = Entry(seq, time.monotonic() + timeout_s, shard=shard, proposer=proposer)
         self.proposer_of[seq.seq_id] = proposer
         self.shards.setdefault(shard, []).append(e)
@@ -90,6 +93,22 @@ class RoundLoop:
         if task is None or task.done():
             self._tasks[shard] = asyncio.get_running_loop().create_task(self._shard_loop(shard))
         return e
+
+    async def prompt_logprobs(self, seq: Sequence, n: int) -> list:
+        """The prompt's logprobs ([len(prompt) - 1] TokenLogprobs), computed on the Verifier replica
+        the sequence's rounds will go to, which keeps its prompt cached for them. By reference: a
+        long prompt's alternatives can outgrow a by-value message."""
+        handle = self.verifier.by_reference.options(multiplexed_model_id=self.shard_of(seq.seq_id))
+        try:
+            return await handle.prompt_logprobs.remote(seq.seq_id, list(seq.prompt_ids), n)
+        except Exception:
+            log.warning("prompt logprobs call failed", exc_info=True)
+            raise APIError(503, "verifier unavailable; retry later", "server_error", code="service_unavailable",
+                           headers={"Retry-After": "2"})
+
+    def release(self, seq: Sequence) -> None:
+        """Free a sequence's Verifier cache that no round loop entry owns (a scored prompt)."""
+        self.verifier.pick(0).options(multiplexed_model_id=self.shard_of(seq.seq_id)).free.remote([seq.seq_id])
 
     def abort(self, e: Entry) -> None:
         """Client went away or the request failed: stop generating and free its caches."""

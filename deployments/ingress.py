@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -16,6 +17,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdec.metrics import aggregate
+from specdec.sequence import Sequence
 
 from deployments.config import AppArgs
 from deployments.driver import Entry, RoundLoop
@@ -64,6 +68,17 @@ async def replicas_answer(handles, timeout_s: float) -> bool:
         return True
     except Exception:  # still starting, restarting, or gone: all "not ready"
         return False
+
+
+@dataclass
+class Job:
+    """One prompt of a request: its sequence and what the response adds around it."""
+
+    seq: Sequence
+    proposer: str | None
+    echo: str | None = None  # completions' echo: the prompt's text, returned before the output
+    generate: bool = True  # False: max_tokens 0 with echo, the prompt is only returned (and scored)
+    prompt_logprobs: list | None = None  # with echo and logprobs: [None] + the prompt's TokenLogprobs
 
 
 def _sse(obj: dict) -> str:
@@ -116,12 +131,12 @@ class OpenAIIngress:
             raise APIError(401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key")
         return "key-" + str(hash(given))  # a bucket name for rate limiting; the key itself is never logged
 
-    def _admit(self, who: str) -> None:
+    def _admit(self, who: str, n: int = 1) -> None:
         if self.limiter is not None and not self.limiter.hit(self.limit, who):
             reset = self.limiter.get_window_stats(self.limit, who).reset_time
             raise APIError(429, f"rate limit of {self.args.rate_limit} exceeded", "rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": str(max(1, int(reset - time.time()) + 1))})
-        if self.loop.in_flight >= self.args.max_queue:
+        if self.loop.in_flight + n > self.args.max_queue:
             raise APIError(429, "server busy: too many requests in flight", "rate_limit_error",
                            code="queue_full", headers={"Retry-After": "1"})
 
@@ -194,52 +209,98 @@ class OpenAIIngress:
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages")
         seq, proposer = self._sequence(body, ids, body.max_completion_tokens or body.max_tokens)
         self._admit(who)
-        return await self._respond(body, seq, proposer, chat=True)
+        return await self._respond(body, [Job(seq, proposer)], chat=True)
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         who = self._authorize(request)
         self._check_model(body.model)
         body.check_supported()
-        ids = body.prompt if isinstance(body.prompt, list) else self.tok.encode(body.prompt)
-        if not ids:
-            raise APIError(400, "prompt is empty", param="prompt")
-        if any(not 0 <= t < len(self.tok.hf) for t in ids):
-            raise APIError(400, "prompt contains token ids outside the vocabulary", param="prompt")
-        seq, proposer = self._sequence(body, list(ids), body.max_tokens)
-        self._admit(who)
-        return await self._respond(body, seq, proposer, chat=False)
+        prompts = body.prompts()
+        if body.stream and len(prompts) > 1:
+            raise APIError(400, "a streamed request takes one prompt", param="prompt")
+        if len(prompts) > self.args.max_queue:
+            raise APIError(400, f"at most {self.args.max_queue} prompts per request", param="prompt")
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo, to score the prompt)",
+                           param="max_tokens")
+        jobs = []
+        for p in prompts:
+            ids = list(p) if isinstance(p, list) else self.tok.encode(p)
+            if not ids:
+                raise APIError(400, "prompt is empty", param="prompt")
+            if any(not isinstance(t, int) or not 0 <= t < len(self.tok.hf) for t in ids):
+                raise APIError(400, "prompt contains token ids outside the vocabulary", param="prompt")
+            seq, proposer = self._sequence(body, ids, body.max_tokens or None)
+            echo = (p if isinstance(p, str) else self.tok.decode(ids)) if body.echo else None
+            jobs.append(Job(seq, proposer, echo, generate=body.max_tokens != 0))
+        self._admit(who, len(jobs))
+        return await self._respond(body, jobs, chat=False)
 
     # -- responses ---------------------------------------------------------------------------
-    async def _respond(self, body, seq, proposer, chat: bool):
-        entry = self.loop.submit(seq, proposer, self.args.request_timeout_s)
-        self.metrics.requests.inc()
+    async def _respond(self, body, jobs: list[Job], chat: bool):
+        self.metrics.requests.inc(len(jobs))
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
+            [job] = jobs
+            await self._score(job)  # before the stream starts, so that a failure is this response's status
+            entry = self.loop.submit(job.seq, job.proposer, self.args.request_timeout_s) if job.generate else None
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(entry, rid, chat, include_usage), media_type="text/event-stream")
+            return StreamingResponse(self._stream(job, entry, rid, chat, include_usage), media_type="text/event-stream")
+        tasks = [asyncio.ensure_future(self._run(job)) for job in jobs]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:  # one prompt failed or the client left: stop the others too
+                t.cancel()
+            raise
+        seqs = [job.seq for job in jobs]
+        usage = self._usage(seqs)
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": now(), "model": self.args.model_name,
+                             "choices": [self._choice(i, job, chat) for i, job in enumerate(jobs)], "usage": usage},
+                            headers={"x-specdec-acceptance-rate": f"{usage['speculative']['acceptance_rate']:.4f}",
+                                     "x-specdec-mean-accepted-length":
+                                         f"{usage['speculative']['mean_accepted_length']:.4f}"})
+
+    async def _run(self, job: Job) -> None:
+        """Score the prompt if asked, then generate to the end."""
+        await self._score(job)
+        if not job.generate:
+            return
+        entry = self.loop.submit(job.seq, job.proposer, self.args.request_timeout_s)
         try:
             while not (await self.loop.next_delta(entry)).finished:
                 pass
         except BaseException:
             self.loop.abort(entry)
             raise
-        self._record(seq)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": seq.text},
-                   "logprobs": self._logprobs(seq.logprobs, chat), "finish_reason": seq.finish_reason} if chat else
-                  {"index": 0, "text": seq.text, "logprobs": self._logprobs(seq.logprobs, chat),
-                   "finish_reason": seq.finish_reason})
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": now(), "model": self.args.model_name, "choices": [choice],
-                             "usage": self._usage(seq)},
-                            headers={"x-specdec-acceptance-rate": f"{seq.metrics.acceptance_rate:.4f}",
-                                     "x-specdec-mean-accepted-length": f"{seq.metrics.mean_accepted_length:.4f}"})
+        self._record(job.seq)
 
-    async def _stream(self, entry: Entry, rid: str, chat: bool, include_usage: bool):
-        seq = entry.seq
+    async def _score(self, job: Job) -> None:
+        """An echoed prompt's logprobs, when the request asks for logprobs."""
+        if job.echo is None or job.seq.params.logprobs is None:
+            return
+        try:
+            job.prompt_logprobs = [None] + await self.loop.prompt_logprobs(job.seq, job.seq.params.logprobs)
+        except BaseException:
+            self.loop.release(job.seq)
+            raise
+        if not job.generate:  # nothing will decode from the cached prompt
+            self.loop.release(job.seq)
+
+    def _choice(self, i: int, job: Job, chat: bool) -> dict:
+        seq = job.seq
+        if chat:
+            return {"index": i, "message": {"role": "assistant", "content": seq.text},
+                    "logprobs": self._logprobs(self._pairs(job, prompt=False), chat), "finish_reason": seq.finish_reason}
+        return {"index": i, "text": (job.echo or "") + seq.text, "logprobs": self._logprobs(self._pairs(job), chat),
+                "finish_reason": seq.finish_reason if job.generate else "length"}
+
+    async def _stream(self, job: Job, entry: Entry | None, rid: str, chat: bool, include_usage: bool):
+        seq = job.seq
         obj = "chat.completion.chunk" if chat else "text_completion"
-
-        pending: list = []  # logprobs of tokens whose text is not out yet (a half character, a possible stop string)
+        pending: list = []  # (token id, logprob) of tokens whose text is not out yet (half a character, a possible stop)
         offset = 0  # output characters streamed before this chunk (completions' text_offset)
 
         def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
@@ -254,38 +315,56 @@ class OpenAIIngress:
             offset += len(text or "")
             return _sse({"id": rid, "object": obj, "created": now(), "model": self.args.model_name, "choices": [choice]})
 
+        def usage() -> str:
+            return _sse({"id": rid, "object": obj, "created": now(), "model": self.args.model_name, "choices": [],
+                         "usage": self._usage([seq])})
+
         try:
             if chat:
                 yield chunk(None, None, first=True)
-            while True:
+            if job.echo is not None:  # the prompt (and its logprobs) first
+                pending += self._pairs(job, output=False) or []
+                yield chunk(job.echo, None if job.generate else "length")
+            while entry is not None:
                 try:
                     d = await self.loop.next_delta(entry)
                 except APIError as err:
                     yield _sse(err.body())
                     break
-                pending += d.logprobs or []
+                pending += [(t.token_id, t) for t in d.logprobs or []]
                 if d.text or d.finished:  # one chunk per accepted block
                     yield chunk(d.text, d.finish_reason if d.finished else None)
                 if d.finished:
                     self._record(seq)
-                    if include_usage:
-                        yield _sse({"id": rid, "object": obj, "created": now(), "model": self.args.model_name,
-                                    "choices": [], "usage": self._usage(seq)})
                     break
+            if include_usage and (seq.finished or not job.generate):
+                yield usage()
             yield "data: [DONE]\n\n"
         finally:
-            if not seq.finished:  # the client disconnected mid-stream: free its caches now
+            if entry is not None and not seq.finished:  # the client disconnected mid-stream: free its caches now
                 self.loop.abort(entry)
                 self.metrics.disconnects.inc()
 
-    def _logprobs(self, lps, chat: bool, offset: int = 0) -> dict | None:
-        if lps is None:
+    @staticmethod
+    def _pairs(job: Job, prompt: bool = True, output: bool = True) -> list | None:
+        """(token id, TokenLogprob or None) for the echoed prompt and the output, None without logprobs."""
+        seq = job.seq
+        if seq.logprobs is None:
             return None
-        return chat_logprobs(lps, self.tok.token_text) if chat else completion_logprobs(lps, self.tok.token_text, offset)
+        pairs = list(zip(seq.prompt_ids, job.prompt_logprobs)) if prompt and job.prompt_logprobs is not None else []
+        return pairs + [(t.token_id, t) for t in seq.logprobs] if output else pairs
 
-    def _usage(self, seq) -> dict:
-        return {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids),
-                "total_tokens": len(seq.prompt_ids) + len(seq.output_ids), "speculative": seq.metrics.to_dict()}
+    def _logprobs(self, pairs: list | None, chat: bool, offset: int = 0) -> dict | None:
+        if pairs is None:
+            return None
+        if chat:
+            return chat_logprobs([lp for _, lp in pairs], self.tok.token_text)
+        return completion_logprobs([t for t, _ in pairs], [lp for _, lp in pairs], self.tok.token_text, offset)
+
+    def _usage(self, seqs: list) -> dict:
+        prompt, out = sum(len(s.prompt_ids) for s in seqs), sum(len(s.output_ids) for s in seqs)
+        spec = seqs[0].metrics.to_dict() if len(seqs) == 1 else aggregate([s.metrics for s in seqs])
+        return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out, "speculative": spec}
 
     def _record(self, seq) -> None:
         m = seq.metrics

@@ -36,7 +36,7 @@ class StreamOptions(BaseModel):
 # field, never silently different output
 UNSUPPORTED = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
                "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
-               "response_format": ({"type": "text"},), "best_of": (1,), "echo": (False,), "suffix": ("",),
+               "response_format": ({"type": "text"},), "best_of": (1,), "suffix": ("",),
                "min_tokens": (0,), "prompt_logprobs": (0,)}
 
 
@@ -98,12 +98,21 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] = Field(..., description="A single prompt: text or token ids.")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        ..., description="Text or token ids, or a list of them (one choice each; streamed only if one).")
+    max_tokens: int | None = Field(None, ge=0, description="Most new tokens to generate; 0 with echo: score the prompt.")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                  description="Each output token's log-probability and this many likeliest alternatives.")
+    echo: bool = Field(False, description="Return the prompt before the completion (with its logprobs if asked).")
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]
+        return list(p)
 
 
 def _clamped(lp: float) -> float:
@@ -119,15 +128,17 @@ def chat_logprobs(lps, token_text) -> dict:
     return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(i, v) for i, v in x.top]} for x in lps]}
 
 
-def completion_logprobs(lps, token_text, offset: int = 0) -> dict:
-    """A choice's `logprobs` in the legacy completions shape; offset: characters of output
+def completion_logprobs(token_ids: list[int], lps: list, token_text, offset: int = 0) -> dict:
+    """A choice's `logprobs` in the legacy completions shape. lps[j]: token_ids[j]'s TokenLogprob,
+    or None where there is none (an echoed prompt's first token); offset: characters of output
     before these tokens (a stream's earlier chunks). As vLLM does, each position's alternatives
     include the token itself."""
-    tokens = [token_text(x.token_id) for x in lps]
+    tokens = [token_text(t) for t in token_ids]
     offsets = [offset + sum(len(t) for t in tokens[:j]) for j in range(len(tokens))]
-    top = [{token_text(i): _clamped(v) for i, v in x.top + [(x.token_id, x.logprob)]} for x in lps]
-    return {"tokens": tokens, "token_logprobs": [_clamped(x.logprob) for x in lps], "top_logprobs": top,
-            "text_offset": offsets}
+    top = [None if x is None else {token_text(i): _clamped(v) for i, v in x.top + [(x.token_id, x.logprob)]}
+           for x in lps]
+    return {"tokens": tokens, "token_logprobs": [None if x is None else _clamped(x.logprob) for x in lps],
+            "top_logprobs": top, "text_offset": offsets}
 
 
 def new_id(prefix: str) -> str:

@@ -182,6 +182,10 @@ class Verifier(_Replica):
             res.draft_s, res.draft_failed = draft_s, failed
         return results
 
+    async def prompt_logprobs(self, seq_id: str, tokens: list[int], n: int):
+        await self._touch_shard()
+        return await self._run(self.verifier.prompt_logprobs, seq_id, tokens, n)
+
     def _verify(self, requests):
         self._no_ahead.difference_update(r.seq_id for r in requests)  # this call's own wishes are served now
         return self.verifier.verify(requests)

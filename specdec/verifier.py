@@ -64,6 +64,24 @@ class Verifier:
         self.busy_s += time.perf_counter() - t0
         return results
 
+    @torch.no_grad()
+    def prompt_logprobs(self, seq_id: str, tokens: list[int], n: int, chunk: int = 256) -> list[TokenLogprob]:
+        """[len(tokens) - 1]: each of tokens[1:]'s log-probability given the tokens before it, with
+        its position's n likeliest tokens (a completions request's `echo` with `logprobs`; the
+        first token has none). Every position is computed afresh (a cached prefix has K/V but no
+        logits), a chunk at a time so that logits stay [chunk, V]; the slot keeps the K/V, so
+        generating from these tokens next finds them cached."""
+        t0 = time.perf_counter()
+        self.free(seq_id)
+        self.runner.sync([seq_id], [tokens], [0])  # a new slot without a reused prefix
+        out: list[TokenLogprob] = []
+        for j in range(0, len(tokens) - 1, chunk):
+            x = tokens[j : min(j + chunk, len(tokens) - 1)]
+            hidden, _ = self.runner.forward([seq_id], [x])  # [1, c, dim]
+            out += token_logprobs(self.runner.model.logits(hidden[0]), tokens[j + 1 : j + 1 + len(x)], n)  # [c, V]
+        self.busy_s += time.perf_counter() - t0
+        return out
+
     def _take_ahead(self, r: VerifyRequest) -> VerifyResult | None:
         """A plain request's steps, if they were decoded ahead from its very tokens."""
         a = self.ahead.get(r.seq_id)

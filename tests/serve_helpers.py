@@ -1,5 +1,6 @@
 """Starting Ray and Serve apps from tests (one cluster per module, torn down after it)."""
 import os
+import random
 import socket
 from contextlib import contextmanager
 from pathlib import Path
@@ -8,9 +9,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768+): one the OS hands out (bind to 0) can be
+    handed again to a Ray worker's own socket before Serve's proxy binds it, and the proxy then
+    fails ("Address already in use", seen once here)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 @contextmanager

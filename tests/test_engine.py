@@ -389,3 +389,22 @@ def test_logprobs_follow_the_kept_tokens_through_stops():
     assert [t.token_id for t in s.logprobs] == [6] and [t.token_id for t in d.logprobs] == [6]
     s = Sequence("c", [1], SamplingParams(max_tokens=10), 4, 64, {9}, decode)
     assert s.commit(VerifyResult([6], 0, 0)).logprobs is None and s.logprobs is None
+
+
+def test_prompt_logprobs_equal_a_fresh_recompute_and_leave_the_prompt_cached(tiny_target):
+    """A scored prompt (completions' echo with logprobs): every position's logprobs, chunk by
+    chunk, equal one fresh pass; generating from the same sequence next reuses its cached K/V
+    and gives plain decoding's tokens."""
+    prompt = ragged_prompts(8)[7]  # 38 tokens: 10 chunks of 4
+    eng = make_engine(tiny_target, noisy_copy(tiny_target, 0.3), k=4)
+    lps = eng.verifier.prompt_logprobs("s", prompt, 2, chunk=4)
+    ref = reference_logprobs(tiny_target, prompt[:1], prompt[1:])  # [37, V]
+    assert [t.token_id for t in lps] == prompt[1:]
+    torch.testing.assert_close(torch.tensor([t.logprob for t in lps]), ref[torch.arange(37), torch.tensor(prompt[1:])],
+                               atol=1e-4, rtol=0)
+    assert [[i for i, _ in t.top] for t in lps] == ref.topk(2).indices.tolist()
+    assert eng.verifier.runner.slots["s"].tokens == prompt[:-1]
+    seq = eng.add_request(prompt, GREEDY, seq_id="s")
+    while not seq.finished:
+        eng.step()
+    assert seq.output_ids == make_engine(tiny_target, k=0).generate([prompt], GREEDY)[0].token_ids

@@ -232,6 +232,42 @@ def test_logprobs_over_http_are_the_engines(client, reference):
     assert [o for p in parts for o in p.text_offset] == lp.text_offset
 
 
+def test_echo_scores_prompts_as_eval_harnesses_ask(server, client, reference):
+    """lm-eval-harness style loglikelihood requests: a list of token-id prompts, echo, logprobs,
+    max_tokens 0 or 1. Each choice echoes its prompt with the verifier's logprobs for every
+    prompt token after the first (None for it), then any output; streamed, the prompt comes first."""
+    tok = reference.tokenizer
+    prompts = [tok.encode("Once upon a time there was"), tok.encode("The quick brown fox")]
+    want = [reference.verifier.prompt_logprobs(f"ref-{i}", p, 1) for i, p in enumerate(prompts)]
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": prompts, "max_tokens": 0, "echo": True,
+                                         "logprobs": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["prompt_tokens"] == sum(map(len, prompts)) and body["usage"]["completion_tokens"] == 0
+    for choice, p, w in zip(sorted(body["choices"], key=lambda c: c["index"]), prompts, want):
+        lp = choice["logprobs"]
+        assert choice["text"] == tok.decode(p) and choice["finish_reason"] == "length"
+        assert lp["tokens"] == [tok.token_text(t) for t in p]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == pytest.approx([x.logprob for x in w], abs=1e-4)
+    text = "Once upon a time"
+    one = client.completions.create(model="tiny", prompt=text, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    plain = client.completions.create(model="tiny", prompt=text, max_tokens=3, temperature=0, logprobs=2)
+    n = len(tok.encode(text))
+    assert one.choices[0].text == text + plain.choices[0].text
+    assert one.choices[0].logprobs.tokens[n:] == plain.choices[0].logprobs.tokens and len(one.choices[0].logprobs.tokens) == n + 3
+    assert one.choices[0].logprobs.token_logprobs[n:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-4)
+    parts = list(client.completions.create(model="tiny", prompt=text, max_tokens=3, temperature=0, echo=True,
+                                           logprobs=2, stream=True))
+    assert parts[0].choices[0].text == text and len(parts[0].choices[0].logprobs.tokens) == n
+    assert "".join(p.choices[0].text for p in parts) == one.choices[0].text
+    assert [t for p in parts if p.choices[0].logprobs for t in p.choices[0].logprobs.tokens] == one.choices[0].logprobs.tokens
+    assert client.completions.create(model="tiny", prompt=text, max_tokens=2, echo=True).choices[0].text.startswith(text)
+    for bad, param in (({"max_tokens": 0}, "max_tokens"), ({"prompt": ["a", "b"], "stream": True}, "prompt")):
+        r = post(server, "/v1/completions", {"model": "tiny", "prompt": text, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_auth(server):
     assert post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT}, key=None).status_code == 401
     r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT}, key="sk-wrong")
