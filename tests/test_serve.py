@@ -268,6 +268,22 @@ def test_echo_scores_prompts_as_eval_harnesses_ask(server, client, reference):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_score_example_sums_the_continuations_logprobs(client, reference):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "score.py"
+    spec = importlib.util.spec_from_file_location("score_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    context, conts = "Once upon a", [" time", " banana"]
+    got = example.score(client, context, conts, model="tiny")
+    tok = reference.tokenizer  # the tiny tokenizer is byte-level: a continuation is its own tokens
+    want = [sum(x.logprob for x in reference.verifier.prompt_logprobs(f"ex-{c}", tok.encode(context + c), 0)[-len(tok.encode(c)):])
+            for c in conts]
+    assert got == pytest.approx(want, abs=1e-3)
+
+
 def test_auth(server):
     assert post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT}, key=None).status_code == 401
     r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT}, key="sk-wrong")
