@@ -7,7 +7,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 class ServeMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("specdec_requests", "Requests admitted", registry=r)
+        self.requests = Counter("specdec_requests", "Requests admitted (each prompt of a batched completions request)",
+                                registry=r)
         self.disconnects = Counter("specdec_client_disconnects", "Streams the client abandoned", registry=r)
         self.output_tokens = Counter("specdec_output_tokens", "Tokens generated", registry=r)
         self.drafted = Counter("specdec_draft_tokens", "Draft tokens proposed", registry=r)

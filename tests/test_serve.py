@@ -263,6 +263,11 @@ def test_echo_scores_prompts_as_eval_harnesses_ask(server, client, reference):
     assert "".join(p.choices[0].text for p in parts) == one.choices[0].text
     assert [t for p in parts if p.choices[0].logprobs for t in p.choices[0].logprobs.tokens] == one.choices[0].logprobs.tokens
     assert client.completions.create(model="tiny", prompt=text, max_tokens=2, echo=True).choices[0].text.startswith(text)
+    only = [p for p in client.completions.create(model="tiny", prompt=text, max_tokens=0, echo=True, logprobs=0,
+                                                 stream=True, stream_options={"include_usage": True})]
+    assert [(p.choices[0].text, p.choices[0].finish_reason) for p in only if p.choices] == [(text, "length")]
+    assert only[0].choices[0].logprobs.token_logprobs[1:] == pytest.approx(one.choices[0].logprobs.token_logprobs[1:n], abs=1e-4)
+    assert only[-1].usage.completion_tokens == 0 and only[-1].usage.prompt_tokens == n
     for bad, param in (({"max_tokens": 0}, "max_tokens"), ({"prompt": ["a", "b"], "stream": True}, "prompt")):
         r = post(server, "/v1/completions", {"model": "tiny", "prompt": text, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
