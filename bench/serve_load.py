@@ -179,6 +179,10 @@ def main() -> int:
                     help="at 4 and 16 users, each request's max_tokens drawn from LO..HI (the same for "
                          "speculation and K=0): answers of one length keep plain decoding's batch in "
                          "lockstep, which real traffic does not")
+    ap.add_argument("--warmup-reps", type=int, default=1,
+                    help="unrecorded K=0 reps at each level's concurrency before its measured ones: the first "
+                         "passes at a new batch shape pay one-time costs (oneDNN kernels made for the shape, cache "
+                         "pages first touched) that would fall on rep 0's first variant, always speculation")
     ap.add_argument("--set", action="append", default=[], metavar="ARG=VALUE",
                     help="override an app arg of serve_config.yaml (VALUE parsed as YAML), e.g. --set draft_num_threads=2")
     ap.add_argument("--name", default=None, help="results file bench/results/<name>.json (default serve_load[-tiny])")
@@ -201,12 +205,14 @@ def main() -> int:
             reps = {True: [], False: []}
             sizes = {True: [], False: []}
             traces = {True: [], False: []}
+            per_user = 1 if users == 1 else a.requests_per_user
+            lengths = tuple(a.vary_tokens) if a.vary_tokens and users > 1 else a.max_tokens
+            for w in range(a.warmup_reps if users > 1 else 0):  # 1 user: the run's own warm-up did it
+                asyncio.run(run_level(url, model, users, per_user, lengths, False, offset=w * users * per_user))
             for rep in range(a.one_user_reps if users == 1 else a.reps):  # alternate the order so drift favours neither
                 for spec in ((True, False) if rep % 2 == 0 else (False, True)):
                     before = len(verifier.stats.remote().result()["batch_sizes"])
                     rounds_before = ingress.loop_stats.remote().result()["rounds"]
-                    per_user = 1 if users == 1 else a.requests_per_user
-                    lengths = tuple(a.vary_tokens) if a.vary_tokens and users > 1 else a.max_tokens
                     reps[spec].append(asyncio.run(run_level(url, model, users, per_user, lengths, spec,
                                                             offset=rep * users * per_user)))
                     sizes[spec] += verifier.stats.remote().result()["batch_sizes"][before:]
@@ -266,6 +272,7 @@ def main() -> int:
     out.write_text(json.dumps({"rows": rows, "summary": summary, "table": lines,
                                "config": {"overrides": a.set, "max_tokens": a.max_tokens, "reps": a.reps, "one_user_reps": a.one_user_reps,
                                           "requests_per_user": a.requests_per_user, "vary_tokens": a.vary_tokens,
+                                          "warmup_reps": a.warmup_reps,
                                           "in_process_tokens_per_s_reps": engine_runs}}, indent=1))
     return 0
 

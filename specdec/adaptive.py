@@ -276,6 +276,10 @@ class AdaptiveK:
     # summed over drafting rounds with decay (see calibration)
     _calibration: dict[int, tuple[float, float]] = field(default_factory=dict)
     last_prediction: dict | None = None  # the last choice's expected tokens and rates (None: not priced)
+    # the last choice was a probe (made to learn, not because it pays): with multi-step calls it
+    # rides along a plain call (its drafts in the call's first pass, then the plain steps for all),
+    # so it costs its own rows and draft call, not every sequence's steps but one
+    last_probe: bool = False
 
     def __post_init__(self):
         acc = lambda: Acceptance(self.k_max, self.prior_acceptance, self.prior_weight, self.ema_decay)  # noqa: E731
@@ -388,7 +392,7 @@ class AdaptiveK:
         and with multi-step calls nothing drafts in it (a draft there cuts every sequence's plain
         steps to one)."""
         B = len(acceptances)
-        self.last_prediction = None
+        self.last_prediction, self.last_probe = None, False
         self._choices += 1
         if self._multi_step_pass and B not in self._multi_step_pass:
             # plain rounds run several steps per call, but never yet at this batch size: decode
@@ -487,6 +491,7 @@ class AdaptiveK:
 
             one = probing({cands[0]})
             if self._unmeasured(B):
+                self.last_probe = True
                 return chosen(one)
             if probe_pays([i == cands[0] for i in range(B)], self.first_probe_k):
                 # every new request is then probed in turn; in one round together they share a
@@ -500,6 +505,7 @@ class AdaptiveK:
                     return tokens / rate_of(ks, gains) - tokens / rate(0, best_l)
 
                 together = probing(set(cands))
+                self.last_probe = True
                 if len(cands) > 1 and loss(together) < len(cands) * loss(one):
                     return chosen(together)
                 return chosen(one)
@@ -507,7 +513,7 @@ class AdaptiveK:
             self._rounds_at_zero += 1
             if self._rounds_at_zero >= (self._probe_wait or self.probe_every) and not prefilling and \
                     (self._unmeasured(B) or probe_pays([not m for m in lk], 1)):  # else: probe once the load allows
-                self._rounds_at_zero, best, self._probing = 0, 1, True
+                self._rounds_at_zero, best, self._probing, self.last_probe = 0, 1, True, True
         else:
             self._rounds_at_zero = 0
         return chosen(ks_for(best, best_l))

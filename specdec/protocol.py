@@ -33,8 +33,9 @@ class VerifyRequest:
     draft_token_ids: list[int]  # K proposed tokens (may be empty: plain decoding)
     draft_probs: Tensor | None  # [K, V] or None for one-hot q
     params: SamplingParams
-    # without drafts: plain decoding steps in this one call (vLLM's multi-step scheduling), so
-    # the per-call overhead of a remote verifier is paid once per several tokens
+    # passes in this one call (vLLM's multi-step scheduling), so the per-call overhead of a remote
+    # verifier is paid once per several tokens: the first verifies the drafts (if any), the rest
+    # are plain decoding steps from where it left the sequence
     num_steps: int = 1
     # the verifier gets this many drafts from the drafter itself, from its prefetch where that
     # drafted from these tokens (draft_token_ids then empty): a round is one call for the driver
@@ -66,7 +67,8 @@ class VerifyResult:
     num_accepted: int  # drafts accepted (len(token_ids) - 1)
     num_drafted: int  # K of this round
     feature: Tensor | None = None  # [dim] verifier hidden state that predicted the last emitted token
-    num_passes: int = 1  # verifier forward passes that produced token_ids (num_steps of the request)
+    num_passes: int = 1  # verifier forward passes that produced token_ids (at most num_steps of the request)
     draft_s: float = 0.0  # with fetch_k: seconds the verifier waited for the call's drafts (0 if prefetched in time)
     draft_failed: bool = False  # with fetch_k: the drafter did not answer; verified without drafts
     logprobs: list[TokenLogprob] | None = None  # [len(token_ids)] when the request's params ask for them
+    passes_s: list[float] | None = None  # seconds of each of the call's passes (its first: the verify pass)

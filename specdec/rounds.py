@@ -50,6 +50,10 @@ class Round:
             budgets = adaptive.choose(acc, budgets, new, [len(x) for x in self.looked_up], lacc,
                                       prefilling=self.prefill_verify)
             self.prediction = adaptive.last_prediction
+        # a probe rides along a multi-step plain call: its drafts in the first pass, then every
+        # sequence's plain steps (as a drafting round it cut all of them to one step: one more call
+        # for the batch, and an answer out of step with the others, ending in one more)
+        self.ride_along = adaptive is not None and adaptive.last_probe
         self.ks = budgets
         self.drafts: list[Proposal] = [Proposal([], None) for _ in batch]
         self.is_lookup = [bool(x) and k > 0 for x, k in zip(self.looked_up, self.ks)]
@@ -58,6 +62,7 @@ class Round:
                 self.drafts[i] = Proposal(x[:k], None)  # one-hot q at the copied tokens
         self.t_draft = 0.0
         self._cost_sample: tuple[int, int, int] | None = None  # (batch, tokens in pass, passes), set by commit
+        self._passes_s: list[float] | None = None  # a ridden-along call's pass times (commit)
         self.t_committed = 0.0
 
     def propose_requests(self) -> dict[str, tuple[list[int], list[ProposeRequest]]]:
@@ -91,11 +96,14 @@ class Round:
         fetch: batch indices whose drafts the verifier gets from the drafter itself. ahead: a
         sequence without drafts has the verifier decode its next decode_steps plain steps right
         after this call (a remote verifier: they are made while the result travels)."""
-        steps = 1 if fetch or any(d.token_ids for d in self.drafts) else decode_steps
+        drafting = fetch or any(d.token_ids for d in self.drafts)
+        steps = decode_steps if not drafting or (self.ride_along and not fetch) else 1
         if self.prefill_verify and prefill_steps is not None:
             steps = min(steps, prefill_steps)
-        reqs = [VerifyRequest(s.seq_id, list(s.tokens), d.token_ids, d.probs, s.params, max(1, min(steps, s.room())),
-                              stop_ids=tuple(s.stop_ids))
+        # what a sequence emits (accepted drafts, their recovered or bonus token, then plain
+        # steps) stays within what it may: a draft budget leaves room for one more token
+        reqs = [VerifyRequest(s.seq_id, list(s.tokens), d.token_ids, d.probs, s.params,
+                              max(1, min(steps, s.room() - len(d.token_ids))), stop_ids=tuple(s.stop_ids))
                 for s, d in zip(self.batch, self.drafts)]
         for i in fetch:
             reqs[i].fetch_k, reqs[i].feature = self.ks[i], self.batch[i].feature
@@ -111,6 +119,9 @@ class Round:
         # a multi-step call is observed per pass, and apart from one-pass calls
         self._cost_sample = None if self.prefill_verify else \
             (len(results), sum(r.num_drafted + 1 for r in results), max(r.num_passes for r in results))
+        # a probe that rode along: its verify pass is what is learned ([] if the times are unknown)
+        self._passes_s = (results[0].passes_s or []) if self._cost_sample and self._cost_sample[2] > 1 and \
+            any(r.num_drafted for r in results) else None
         if self.adaptive is not None:
             if verify_seconds is not None:
                 self.observe_cost(verify_seconds)
@@ -124,6 +135,12 @@ class Round:
         """What the committed round's verifier call cost, drafts apart."""
         if self.adaptive is not None and self._cost_sample is not None:
             batch, tokens, n = self._cost_sample
+            if self._passes_s is not None:
+                if not self._passes_s:
+                    return
+                # a verify pass then plain steps in one call: learned as the one-pass call it would
+                # have been, the pass and the call's overhead (its plain steps say nothing new)
+                seconds, n = self._passes_s[0] + max(0.0, seconds - sum(self._passes_s)), 1
             self.adaptive.observe_verify(batch, tokens, seconds / n, n)
 
 

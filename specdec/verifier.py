@@ -132,8 +132,10 @@ class Verifier:
         every step's feature is collected per request (decoding ahead: a call may take fewer)."""
         ids = [r.seq_id for r in requests]
         ks = [len(r.draft_token_ids) for r in requests]
-        steps = [r.num_steps if k == 0 else 1 for r, k in zip(requests, ks)]
-        last = self.runner.catch_up(ids, [r.tokens for r in requests], [max(k + 1, n) for k, n in zip(ks, steps)])
+        steps = [r.num_steps for r in requests]
+        # positions written at most: the last token and K drafts, or K accepted + the steps after
+        last = self.runner.catch_up(ids, [r.tokens for r in requests], [k + n for k, n in zip(ks, steps)])
+        t_pass = time.perf_counter()
         inputs = [[t] + r.draft_token_ids for t, r in zip(last, requests)]  # [B, K_i + 1] ragged
         hidden, valid = self.runner.forward(ids, inputs)  # [B, T, dim]
         hidden = hidden[valid]  # [sum(K_i + 1), dim], only the real rows
@@ -153,32 +155,43 @@ class Verifier:
                 features[b].append(results[-1].feature)
         self.passes += 1
         self.batch_sizes.append(len(requests))
+        passes_s = [time.perf_counter() - t_pass]
         if max(steps) > 1:
-            self._decode_more(requests, results, steps, keep, features)
+            for r, k, res in zip(requests, ks, results):
+                if k:  # continue after the accepted drafts: the rejected ones' rows get overwritten
+                    self.runner.truncate(r.seq_id, len(r.tokens) + len(res.token_ids) - 1)
+            self._decode_more(requests, results, steps, keep, features, passes_s)
+        for res in results:
+            res.passes_s = passes_s
         return results
 
-    def _sample(self, requests: list[VerifyRequest], ks: list[int], logits: torch.Tensor, step: int) -> torch.Tensor:
+    def _sample(self, requests: list[VerifyRequest], ks: list[int], logits: torch.Tensor, step: int,
+                positions: list[int] | None = None) -> torch.Tensor:
         """Rejection-sample each request's block of K_i + 1 rows of logits; `step` > 0 is a
-        further plain step, whose generator is the one a separate round at that position would use."""
+        further plain step, whose generator is the one a separate round at that position would use
+        (positions[i]: the index its token will have; default len(tokens) + step)."""
         rows, r0 = [], 0
         for r, k in zip(requests, ks):
             block = logits[r0 : r0 + k + 1]
             rows.append(block if r.params.greedy else logits_to_probs(block, r.params))
             r0 += k + 1
-        gens = [None if r.params.greedy else
-                round_generator(r.params.seed, len(r.tokens) + step, "verify", self.runner.device) for r in requests]
+        positions = positions or [len(r.tokens) + step for r in requests]
+        gens = [None if r.params.greedy else round_generator(r.params.seed, pos, "verify", self.runner.device)
+                for r, pos in zip(requests, positions)]
         drafts = torch.tensor([t for r in requests for t in r.draft_token_ids] if step == 0 else [],
                               dtype=torch.long)  # on the host: the sampler reads them there
         probs = [r.draft_probs for r in requests] if step == 0 else [None] * len(requests)
         return rejection_sample(drafts, ks, probs, torch.cat(rows), [r.params.greedy for r in requests], gens)
 
     def _decode_more(self, requests: list[VerifyRequest], results: list[VerifyResult], steps: list[int],
-                     keep=None, features: list[list[Tensor]] | None = None) -> None:
-        """Steps 2..num_steps of plain decoding, batched over the requests that asked for them.
-        Each step samples exactly as a separate draft-free round would (same rejection-sampler
-        path, same per-position generator), so output does not depend on num_steps. A request
-        stops early after a stop token, or when keep(seq_id) says no."""
+                     keep=None, features: list[list[Tensor]] | None = None, passes_s: list[float] | None = None) -> None:
+        """Steps 2..num_steps of plain decoding, batched over the requests that asked for them,
+        each from its result so far (a verified request's: after its accepted drafts and recovered
+        or bonus token). Each step samples exactly as a separate draft-free round would (same
+        rejection-sampler path, same per-position generator), so output does not depend on
+        num_steps. A request stops early after a stop token, or when keep(seq_id) says no."""
         for step in range(1, max(steps)):
+            t_pass = time.perf_counter()
             idx = [b for b, n in enumerate(steps) if n > step and results[b].token_ids[-1] not in requests[b].stop_ids
                    and (keep is None or keep(requests[b].seq_id))]
             if not idx:
@@ -187,7 +200,8 @@ class Verifier:
             hidden, _ = self.runner.forward(ids, [[results[b].token_ids[-1]] for b in idx])  # [B', 1, dim]
             hidden = hidden[:, 0]  # [B', dim]
             logits = self.runner.model.logits(hidden)  # [B', V]
-            out = self._sample([requests[b] for b in idx], [0] * len(idx), logits, step)
+            out = self._sample([requests[b] for b in idx], [0] * len(idx), logits, step,
+                               [len(requests[b].tokens) + len(results[b].token_ids) for b in idx])
             feats = hidden.float().cpu()  # [B', dim]
             for j, b in enumerate(idx):  # out: [B', 1]
                 results[b].token_ids.append(int(out[j, 0]))
@@ -202,3 +216,5 @@ class Verifier:
                     features[b].append(results[b].feature)
             self.passes += 1
             self.batch_sizes.append(len(idx))
+            if passes_s is not None:
+                passes_s.append(time.perf_counter() - t_pass)

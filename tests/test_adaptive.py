@@ -1,5 +1,7 @@
 """Adaptive K: follows acceptance and measured costs, turns speculation off when it cannot pay,
 probes to come back, and never changes greedy output."""
+import pytest
+
 from conftest import make_engine, ragged_prompts
 from specdec.adaptive import AdaptiveK, CostCurve, DraftCost, LinearFit
 from specdec.models.tiny import noisy_copy
@@ -506,3 +508,33 @@ def test_a_stale_plain_cost_is_measured_again():
     ak.observe_verify(16, 16, 0.09, steps=4)
     assert ak.choose(acc, [4] * 16) == [0] * 16  # and K=1 no longer pays
     assert ak.state()["multi_step_pass_s"][16] == 0.09
+
+
+def test_a_probe_rides_along_a_plain_call_and_is_costed_by_its_own_pass():
+    """With multi-step calls a probe does not cut the batch's plain steps to one (in Serve at 16
+    users that was one more call per rep and answers out of step, ending in one more again, ~2-5 %
+    of the rep that probed): its drafts go in the call's first pass and every sequence then decodes
+    its plain steps. Adaptive K learns from such a call its first pass plus the call's overhead,
+    as the one-pass call it stands for, not a share of a plain multi-step call."""
+    from specdec.protocol import Proposal, VerifyResult
+    from specdec.rounds import Round
+    from specdec.sequence import Sequence
+
+    ak = costs()
+    ak.observe_verify(3, 3, 0.05, steps=4)  # 4-step plain calls measured at 3 sequences
+    seqs = [Sequence(f"s{i}", [1, 2, 3], SamplingParams(max_tokens=40), 8, 512) for i in range(3)]
+    for s in seqs:
+        s.commit(VerifyResult([5], 0, 0))  # past their prefill, no draft verified yet
+    rnd = Round(seqs, {s.seq_id: "draft" for s in seqs}, ak)
+    assert ak.last_probe and rnd.ride_along and rnd.ks == [2, 0, 0]  # 3 sequences never drafted for: one probe
+    [(idx, reqs)] = rnd.propose_requests().values()
+    rnd.set_proposals(idx, [Proposal([7] * q.num_speculative_tokens, None) for q in reqs], 0.0)
+    vreqs = rnd.verify_requests(decode_steps=4)
+    assert [q.num_steps for q in vreqs] == [4, 4, 4] and [len(q.draft_token_ids) for q in vreqs] == [2, 0, 0]
+    passes = [0.08, 0.03, 0.03, 0.03]
+    results = [VerifyResult([7, 9, 9, 9, 9], 1, 2, num_passes=4, passes_s=passes)] + \
+        [VerifyResult([9, 9, 9, 9], 0, 0, num_passes=4, passes_s=passes) for _ in range(2)]
+    rnd.commit(results, None)
+    rnd.observe_cost(0.19)  # the passes' 0.17 s and 0.02 s of call overhead
+    assert ak._verify_by_batch[3].points == {5: pytest.approx(0.10)}
+    assert ak._multi_step_pass[3] == 0.05  # plain calls' cost untouched

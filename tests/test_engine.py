@@ -408,3 +408,50 @@ def test_prompt_logprobs_equal_a_fresh_recompute_and_leave_the_prompt_cached(tin
     while not seq.finished:
         eng.step()
     assert seq.output_ids == make_engine(tiny_target, k=0).generate([prompt], GREEDY)[0].token_ids
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=19, ignore_eos=True),
+                                    SamplingParams(max_tokens=19, ignore_eos=True, temperature=0.9, seed=3)])
+def test_drafts_then_plain_steps_in_one_call_equal_separate_rounds(tiny_target, params):
+    """A probe riding along a multi-step call: one pass verifies some sequences' drafts, then
+    every sequence decodes plain steps from where it stands (a verified one after its accepted
+    drafts, the rejected ones' cache rows overwritten). Token for token what a one-step
+    verifying round and then as many plain rounds give, greedy and seeded sampled alike."""
+    from specdec.rounds import Round
+
+    draft = noisy_copy(tiny_target, 0.3)
+    prompts = ragged_prompts(4)
+    engines = [make_engine(tiny_target, draft, k=3), make_engine(tiny_target, draft, k=3)]
+    seqs = [[e.add_request(p, params, num_speculative_tokens=3 if i % 2 else 0) for i, p in enumerate(prompts)]
+            for e in engines]
+    (a, b), (sa, sb) = engines, seqs
+    drafted = accepted = 0
+
+    def drafting_round(eng, batch):
+        rnd = Round(batch, eng._proposer_of, None)
+        for name, (idx, reqs) in rnd.propose_requests().items():
+            rnd.set_proposals(idx, eng.proposers[name].propose(reqs), 0.0)
+        return rnd
+
+    while not all(s.finished for s in sa):
+        live_a, live_b = [s for s in sa if not s.finished], [s for s in sb if not s.finished]
+        ra = drafting_round(a, live_a)
+        ra.ride_along = True
+        reqs = ra.verify_requests(decode_steps=4)
+        results = a.verifier.verify(reqs)
+        ra.commit(results, 0.0)
+        drafted += sum(r.num_drafted for r in results)
+        accepted += sum(r.num_accepted for r in results)
+        rb = drafting_round(b, live_b)  # the same drafts (same tokens, same draft model), one step
+        rb.commit(b.verifier.verify(rb.verify_requests(decode_steps=1)), 0.0)
+        for _ in range(max(q.num_steps for q in reqs) - 1):  # then the plain steps, a round each
+            todo = [s for s, q in zip(live_b, reqs) if not s.finished and q.num_steps > 1]
+            if todo:
+                rp = Round(todo, b._proposer_of, None)
+                rp.commit(b.verifier.verify(rp.verify_requests(decode_steps=1)), 0.0)
+            for s, q in zip(live_b, reqs):
+                q.num_steps -= 1
+    assert [s.output_ids for s in sa] == [s.output_ids for s in sb]
+    assert 0 < accepted < drafted  # drafts accepted and rejected, then steps after both
+    if params.greedy:
+        assert [s.output_ids for s in sa] == [c.token_ids for c in make_engine(tiny_target, k=0).generate(prompts, params)]

@@ -83,6 +83,10 @@ class ModelRunner:
                 self.cached[slot.index] = slot.tokens
         return slot is not None
 
+    def truncate(self, seq_id: str, n: int) -> None:
+        """Keep the first n tokens' K/V: rejected drafts' rows are simply overwritten next."""
+        del self.slots[seq_id].tokens[n:]
+
     def _slot(self, seq_id: str, pinned: set[str], toks: list[int], reuse: bool) -> Slot:
         slot = self.slots.get(seq_id)
         if slot is None:
