@@ -249,6 +249,7 @@ class AdaptiveK:
     probe_optimism: float = 0.9  # a probe is made only if it would pay at this acceptance (else it can only lose)
     plain_refresh_every: int = 64  # rounds of speculation at a batch size before one plain round re-measures its plain pass
     slow_start: bool = False  # a sequence's model K at most twice what it last had accepted (first_probe_k at first)
+    ride_along: bool = True  # with multi-step calls, a probe's drafts go in a plain call's first pass (see last_probe)
     probe_min_room: int = 16  # a request's own probe only while it may emit this many more tokens (else too late to use)
     prior_acceptance: float = 0.5  # acceptance assumed before any draft was verified
     prior_weight: float = 4.0  # pseudo-drafts behind the prior in each sequence's estimate
@@ -276,9 +277,9 @@ class AdaptiveK:
     # summed over drafting rounds with decay (see calibration)
     _calibration: dict[int, tuple[float, float]] = field(default_factory=dict)
     last_prediction: dict | None = None  # the last choice's expected tokens and rates (None: not priced)
-    # the last choice was a probe (made to learn, not because it pays): with multi-step calls it
-    # rides along a plain call (its drafts in the call's first pass, then the plain steps for all),
-    # so it costs its own rows and draft call, not every sequence's steps but one
+    # the last choice was a probe (made to learn, not because it pays): with ride_along and
+    # multi-step calls it rides along a plain call (its drafts in the call's first pass, then the
+    # plain steps for all), so it costs its own rows and draft call, not every sequence's steps but one
     last_probe: bool = False
 
     def __post_init__(self):

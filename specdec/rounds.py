@@ -53,7 +53,7 @@ class Round:
         # a probe rides along a multi-step plain call: its drafts in the first pass, then every
         # sequence's plain steps (as a drafting round it cut all of them to one step: one more call
         # for the batch, and an answer out of step with the others, ending in one more)
-        self.ride_along = adaptive is not None and adaptive.last_probe
+        self.ride_along = adaptive is not None and adaptive.ride_along and adaptive.last_probe
         self.ks = budgets
         self.drafts: list[Proposal] = [Proposal([], None) for _ in batch]
         self.is_lookup = [bool(x) and k > 0 for x, k in zip(self.looked_up, self.ks)]
