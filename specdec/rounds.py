@@ -120,8 +120,8 @@ class Round:
         self._cost_sample = None if self.prefill_verify else \
             (len(results), sum(r.num_drafted + 1 for r in results), max(r.num_passes for r in results))
         # a probe that rode along: its verify pass is what is learned ([] if the times are unknown)
-        self._passes_s = (results[0].passes_s or []) if self._cost_sample and self._cost_sample[2] > 1 and \
-            any(r.num_drafted for r in results) else None
+        self._passes_s = next((r.passes_s for r in results if r.passes_s), []) if self._cost_sample and \
+            self._cost_sample[2] > 1 and any(r.num_drafted for r in results) else None
         if self.adaptive is not None:
             if verify_seconds is not None:
                 self.observe_cost(verify_seconds)
