@@ -46,6 +46,8 @@ def main() -> int:
         asyncio.run(serve_load.run_level(url, model, 1, 1, 16, True))  # warm-up
         for level in a.levels:
             users, reps = map(int, level.split(":"))
+            if users > 1:  # as serve_load does: an unrecorded K=0 rep at the level's concurrency first
+                asyncio.run(serve_load.run_level(url, model, users, 1, a.max_tokens, False))
             for rep in range(reps):
                 for spec in ((True, False) if rep % 2 == 0 else (False, True)):
                     before = ingress.loop_stats.remote().result()["rounds"]
