@@ -315,10 +315,6 @@ class OpenAIIngress:
             offset += len(text or "")
             return _sse({"id": rid, "object": obj, "created": now(), "model": self.args.model_name, "choices": [choice]})
 
-        def usage() -> str:
-            return _sse({"id": rid, "object": obj, "created": now(), "model": self.args.model_name, "choices": [],
-                         "usage": self._usage([seq])})
-
         try:
             if chat:
                 yield chunk(None, None, first=True)
@@ -338,7 +334,8 @@ class OpenAIIngress:
                     self._record(seq)
                     break
             if include_usage and (seq.finished or not job.generate):
-                yield usage()
+                yield _sse({"id": rid, "object": obj, "created": now(), "model": self.args.model_name, "choices": [],
+                            "usage": self._usage([seq])})
             yield "data: [DONE]\n\n"
         finally:
             if entry is not None and not seq.finished:  # the client disconnected mid-stream: free its caches now
