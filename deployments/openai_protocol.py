@@ -1,6 +1,7 @@
 """OpenAI-compatible request bodies and error responses."""
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from typing import Literal
@@ -134,7 +135,7 @@ def completion_logprobs(token_ids: list[int], lps: list, token_text, offset: int
     before these tokens (a stream's earlier chunks). As vLLM does, each position's alternatives
     include the token itself."""
     tokens = [token_text(t) for t in token_ids]
-    offsets = [offset + sum(len(t) for t in tokens[:j]) for j in range(len(tokens))]
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))[: len(tokens)]  # linear in a long prompt
     top = [None if x is None else {token_text(i): _clamped(v) for i, v in x.top + [(x.token_id, x.logprob)]}
            for x in lps]
     return {"tokens": tokens, "token_logprobs": [None if x is None else _clamped(x.logprob) for x in lps],
