@@ -52,7 +52,7 @@ class AppArgs(BaseModel):
 
         from specdec.adaptive import AdaptiveK
 
-        known = {f.name for f in dataclasses.fields(AdaptiveK) if f.init and not f.name.startswith("_")} - {"k_max", "draft_cost"}
+        known = {f.name for f in dataclasses.fields(AdaptiveK) if f.init and not f.name.startswith("_")} - {"k_max", "draft_cost", "multi_step"}  # multi_step: from decode_steps
         if unknown := sorted(set(v) - known):
             raise ValueError(f"unknown adaptive option(s) {unknown}; known: {sorted(known)}")
         return v

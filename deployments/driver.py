@@ -48,6 +48,8 @@ class RoundLoop:
         self.drafter, self.verifier = Transport(drafter, transport), Transport(verifier, transport)
         self.max_batch_size, self.num_shards = max_batch_size, num_shards
         self.adaptive = adaptive
+        if adaptive is not None:
+            adaptive.multi_step = decode_steps > 1  # its plain rounds are then priced by multi-step calls only
         self.verify_retry_s = verify_retry_s
         self.drafter_timeout_s = drafter_timeout_s
         self.decode_steps = decode_steps

@@ -250,6 +250,7 @@ class AdaptiveK:
     plain_refresh_every: int = 64  # rounds of speculation at a batch size before one plain round re-measures its plain pass
     slow_start: bool = False  # a sequence's model K at most twice what it last had accepted (first_probe_k at first)
     ride_along: bool = True  # with multi-step calls, a probe's drafts go in a plain call's first pass (see last_probe)
+    multi_step: bool = False  # plain rounds run several steps per verifier call (set by who drives the rounds: Serve's decode_steps > 1)
     probe_min_room: int = 16  # a request's own probe only while it may emit this many more tokens (else too late to use)
     prior_acceptance: float = 0.5  # acceptance assumed before any draft was verified
     prior_weight: float = 4.0  # pseudo-drafts behind the prior in each sequence's estimate
@@ -395,15 +396,19 @@ class AdaptiveK:
         B = len(acceptances)
         self.last_prediction, self.last_probe = None, False
         self._choices += 1
-        if self._multi_step_pass and B not in self._multi_step_pass:
+        multi_step = self.multi_step or bool(self._multi_step_pass)
+        if multi_step and B not in self._multi_step_pass:
             # plain rounds run several steps per call, but never yet at this batch size: decode
             # plainly once to measure it, probes included. Its estimate from other sizes errs both
             # ways: linear from 1-4 users it put 16 users' plain pass at 0.17 s against 0.12
             # measured, and K=1 for all sixteen (or each new request's probe in turn) looked like
             # a gain; speculating every round, the batch never showed otherwise (session 12: 18
-            # such rounds in one rep, 0.83x K=0; 16 probe rounds in another, 0.89x)
+            # such rounds in one rep, 0.83x K=0; 16 probe rounds in another, 0.89x). With no
+            # size measured yet (a fresh server), a plain round was priced as a one-pass call:
+            # the README's first request drafted K=2 in every round at 23.5 tok/s, believing
+            # plain decoding 17 tok/s; it was 26.6 (session 21)
             return [0] * B
-        if prefilling and self._multi_step_pass:
+        if prefilling and multi_step:
             # with multi-step calls any draft in a pass that prefills cuts every sequence's plain
             # steps to one, the new prompts' included, and such a pass is not costed, so no
             # choice here can be priced (session 16: one sequence's K=8 in a 4-user round that

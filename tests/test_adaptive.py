@@ -385,6 +385,28 @@ def test_no_speculation_at_a_batch_size_until_its_plain_pass_is_measured():
     assert ak.choose([0.95] * 16, [4] * 16) != [0] * 16  # at high acceptance it would pay
 
 
+def test_a_fresh_server_decodes_plainly_before_it_speculates():
+    """Serve, session 21: on a fresh server the first request drafted K=2 in every round (23.5
+    tok/s), pricing plain decoding as one-pass calls (17 tok/s) where a 4-step call's passes gave
+    26.6: no plain call had been measured, so none ever was. Told that plain rounds run several
+    steps per call (the round loop does it), a batch size decodes plainly until one is measured."""
+    from deployments.driver import RoundLoop
+
+    def fresh(multi_step: bool) -> AdaptiveK:
+        ak = costs()  # one-pass calls: 0.06 s for 1 token, 0.005 s a token more
+        ak.multi_step = multi_step
+        return ak
+
+    assert fresh(False).choose([0.6], [8]) != [0]  # the trap: drafting beats a whole call per token
+    ak = fresh(True)
+    assert ak.choose([0.6], [8]) == [0] and ak.choose([0.6], [8], new=[True]) == [0]  # no probe either
+    ak.observe_verify(1, 1, 0.038, steps=4)
+    assert ak.choose([0.6], [8]) == [0]  # against 0.038 s a token, 0.6 acceptance does not pay
+    assert ak.choose([0.6], [8], new=[True]) == [2]  # a new request's probe may now find better
+    assert RoundLoop(None, None, 16, adaptive=AdaptiveK(), decode_steps=4).adaptive.multi_step
+    assert not RoundLoop(None, None, 16, adaptive=AdaptiveK(), decode_steps=1).adaptive.multi_step
+
+
 def test_draft_cost_tells_a_per_step_cost_from_a_per_sequence_one():
     """A draft call costs a + b K + c K B. With calls at one batch size only, b and c cannot be
     told apart: a probe hopes for the per-step case (a GPU's launch-bound draft), choices keep the
