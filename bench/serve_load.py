@@ -183,6 +183,9 @@ def main() -> int:
                     help="unrecorded K=0 reps at each level's concurrency before its measured ones: the first "
                          "passes at a new batch shape pay one-time costs (oneDNN kernels made for the shape, cache "
                          "pages first touched) that would fall on rep 0's first variant, always speculation")
+    ap.add_argument("--control", action="store_true",
+                    help="an A/A control: the 'speculation' arm runs K=0 too, so its ratios show what the harness "
+                         "itself measures between two identical arms (order, drift, noise)")
     ap.add_argument("--set", action="append", default=[], metavar="ARG=VALUE",
                     help="override an app arg of serve_config.yaml (VALUE parsed as YAML), e.g. --set draft_num_threads=2")
     ap.add_argument("--name", default=None, help="results file bench/results/<name>.json (default serve_load[-tiny])")
@@ -213,7 +216,7 @@ def main() -> int:
                 for spec in ((True, False) if rep % 2 == 0 else (False, True)):
                     before = len(verifier.stats.remote().result()["batch_sizes"])
                     rounds_before = ingress.loop_stats.remote().result()["rounds"]
-                    reps[spec].append(asyncio.run(run_level(url, model, users, per_user, lengths, spec,
+                    reps[spec].append(asyncio.run(run_level(url, model, users, per_user, lengths, spec and not a.control,
                                                             offset=rep * users * per_user)))
                     sizes[spec] += verifier.stats.remote().result()["batch_sizes"][before:]
                     ls = ingress.loop_stats.remote().result()
@@ -272,7 +275,7 @@ def main() -> int:
     out.write_text(json.dumps({"rows": rows, "summary": summary, "table": lines,
                                "config": {"overrides": a.set, "max_tokens": a.max_tokens, "reps": a.reps, "one_user_reps": a.one_user_reps,
                                           "requests_per_user": a.requests_per_user, "vary_tokens": a.vary_tokens,
-                                          "warmup_reps": a.warmup_reps,
+                                          "warmup_reps": a.warmup_reps, "control": a.control,
                                           "in_process_tokens_per_s_reps": engine_runs}}, indent=1))
     return 0
 
