@@ -105,3 +105,5 @@ def test_adaptive_options_name_adaptive_k_settings():
     assert AppArgs(adaptive_options={"slow_start": False, "min_gain": 0.05}).adaptive_options["min_gain"] == 0.05
     with pytest.raises(ValueError, match="unknown adaptive option"):
         AppArgs(adaptive_options={"min_gian": 0.05})
+    with pytest.raises(ValueError, match="unknown adaptive option"):  # follows decode_steps, not a choice
+        AppArgs(adaptive_options={"multi_step": False})
