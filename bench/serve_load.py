@@ -214,11 +214,13 @@ def main() -> int:
                 asyncio.run(run_level(url, model, users, per_user, lengths, False, offset=w * users * per_user))
             for rep in range(a.one_user_reps if users == 1 else a.reps):  # alternate the order so drift favours neither
                 for spec in ((True, False) if rep % 2 == 0 else (False, True)):
-                    before = len(verifier.stats.remote().result()["batch_sizes"])
+                    passes_before = verifier.stats.remote().result()["passes"]
                     rounds_before = ingress.loop_stats.remote().result()["rounds"]
                     reps[spec].append(asyncio.run(run_level(url, model, users, per_user, lengths, spec and not a.control,
                                                             offset=rep * users * per_user)))
-                    sizes[spec] += verifier.stats.remote().result()["batch_sizes"][before:]
+                    vs = verifier.stats.remote().result()
+                    # this rep's passes (the replica keeps the last few thousand: a long rep's tail)
+                    sizes[spec] += vs["batch_sizes"][-(vs["passes"] - passes_before):] if vs["passes"] > passes_before else []
                     ls = ingress.loop_stats.remote().result()
                     new = ls["rounds"] - rounds_before  # this rep's rounds (at most the trace's length)
                     traces[spec] += ls["recent_rounds"][-new:] if new else []
