@@ -76,9 +76,16 @@ def _sampled(drafts: Tensor, q: Tensor | None, p: Tensor, gen: torch.Generator |
             residual = (residual - q[n]).clamp_min_(0.0)
         else:
             residual[drafts[n]] = 0.0
-        if residual.sum() <= 0:  # only when p == q, where rejection has probability 0
-            residual = p[n]
-        last = torch.multinomial(residual, 1, generator=gen)
+        last = _draw(residual, gen, p[n])  # no mass left only when p == q, where rejection has probability 0
     else:
-        last = torch.multinomial(p[k], 1, generator=gen)  # bonus
+        last = _draw(p[k], gen)  # bonus
     return torch.cat([drafts[:n], last])
+
+
+def _draw(dist: Tensor, gen: torch.Generator | None, fallback: Tensor | None = None) -> Tensor:
+    """[1] token from an unnormalized distribution; where it holds no finite positive mass, from
+    `fallback`, else its argmax: multinomial raises there, and a raise fails the pass of every
+    sequence in the batch."""
+    if not 0.0 < float(dist.sum()) < float("inf"):
+        return _draw(fallback, gen) if fallback is not None else dist.nan_to_num(nan=-1.0).argmax().view(1)
+    return torch.multinomial(dist, 1, generator=gen)

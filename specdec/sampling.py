@@ -14,12 +14,15 @@ from torch import Tensor
 
 
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (vLLM's and OpenAI's chat limit)
+# temperatures below this decode greedily (vLLM's _SAMPLING_EPS): logits / T overflows fp32 to inf
+# for T under ~1e-37, and no sampled distribution that close to T = 0 differs from the argmax
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 128  # new tokens to generate at most
-    temperature: float = 0.0  # 0 = greedy (argmax); otherwise softmax(logits / temperature)
+    temperature: float = 0.0  # < SAMPLING_EPS: greedy (argmax); otherwise softmax(logits / temperature)
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # keep the k most likely tokens; 0 = all
     seed: int | None = None  # makes sampling reproducible; None draws one per request
@@ -44,16 +47,22 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
 
 def logits_to_probs(logits: Tensor, p: SamplingParams) -> Tensor:
-    """[N, V] logits -> [N, V] probabilities under temperature, top-k and top-p (fp32)."""
-    logits = logits.float() / p.temperature
-    if p.top_k and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    """[N, V] logits -> [N, V] probabilities under temperature, top-k and top-p (fp32).
+
+    Scaled in log space from each row's maximum: (logit - max) / T is 0 for the likeliest token
+    and finite or -inf for the rest at any temperature, so no row ever holds inf - inf. A row
+    with no finite logit (a broken model output) samples uniformly rather than failing the batch."""
+    x = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    top = x.amax(dim=-1, keepdim=True)
+    x = (x - torch.where(torch.isfinite(top), top, 0.0)) / max(p.temperature, SAMPLING_EPS)
+    if p.top_k and p.top_k < x.shape[-1]:
+        kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
     if p.top_p < 1.0:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         # drop a token when the mass strictly before it already reaches top_p (the first always stays)
@@ -61,7 +70,8 @@ def logits_to_probs(logits: Tensor, p: SamplingParams) -> Tensor:
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    # elementwise, not `if broken.any()`: a host sync per call would stall a GPU verifier's pass
+    return torch.where(torch.isfinite(probs).all(dim=-1, keepdim=True), probs, 1.0 / probs.shape[-1])
 
 
 def round_generator(seed: int, position: int, stream: str, device="cpu") -> torch.Generator:
