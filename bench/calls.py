@@ -1,4 +1,4 @@
-"""What one remote call between Serve deployments costs, by transport (AppArgs.transport).
+"""What one remote call between Serve deployments costs, by value (gRPC) and by reference (object store).
 
 A Caller deployment calls an Echo deployment that answers like a Verifier (routed by a
 multiplexed shard id, as the round loop's calls are) but does no work, so every millisecond is

@@ -40,7 +40,7 @@ def engine(target, draft, k, prefix_caching=True, **cfg) -> SpecEngine:
     """Target and draft model in one engine: 16 slots of 512 tokens; cfg: other EngineConfig fields."""
     runner = lambda m: ModelRunner(m, 16, 512, prefix_caching=prefix_caching)  # noqa: E731
     return SpecEngine(Verifier(runner(target)), DraftModelProposer(runner(draft)), None,
-                      EngineConfig(num_speculative_tokens=k, max_batch_size=16, **cfg))
+                      EngineConfig(**({"num_speculative_tokens": k, "adaptive": False, "max_batch_size": 16} | cfg)))
 
 
 def exactness(device, dtype) -> dict:

@@ -25,7 +25,7 @@ def build_with_options(args: dict | None, deployment_options: dict[str, dict] | 
     opts = deployment_options or {}
     kw = a.model_dump()
     drafter = Drafter.options(**opts.get("Drafter", {})).bind(kw) if a.draft != "none" else None
-    verifier = Verifier.options(**opts.get("Verifier", {})).bind(kw, drafter if a.prefetch_drafts else None)
+    verifier = Verifier.options(**opts.get("Verifier", {})).bind(kw)
     return OpenAIIngress.options(**opts.get("OpenAIIngress", {})).bind(kw, drafter, verifier)
 
 

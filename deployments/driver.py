@@ -3,9 +3,7 @@
 Each shard (a group of sequences that sticks to one drafter and one verifier replica, routed as
 a Serve multiplexed id) runs its own loop: every round takes the shard's active sequences (up to
 max_batch_size), asks the Drafter for all of their proposals in one call, asks the Verifier to
-check all of them in one pass, and commits. With draft prefetch the Verifier makes the Drafter
-call itself, for the next round as soon as its pass is done, so a round is one call from here.
-Users join and leave between rounds, so a lone user never waits for a batch to fill. The loop
+check all of them in one pass, and commits. Users join and leave between rounds, so a lone user never waits for a batch to fill. The loop
 holds the authoritative token lists; replicas only cache, so a failed or replaced replica costs
 a recompute, never a token."""
 from __future__ import annotations
@@ -23,6 +21,7 @@ from specdec.proposers import NgramProposer, lookup_proposer
 from specdec.rounds import Round
 from specdec.sequence import Delta, Sequence
 
+from deployments.config import AppArgs
 from deployments.openai_protocol import APIError
 from deployments.transport import Transport, verify_bytes
 
@@ -41,31 +40,19 @@ class Entry:
 
 
 class RoundLoop:
-    def __init__(self, drafter, verifier, max_batch_size: int, num_shards: int = 1, adaptive: AdaptiveK | None = None,
-                 verify_retry_s: float = 30.0, drafter_timeout_s: float = 5.0, decode_steps: int = 1,
-                 lookup_min_n: int = 0, observe_call=None, prefetch: bool = False, decode_ahead: bool = False,
-                 transport: str = "grpc", prefill_steps: int | None = None):
-        self.drafter, self.verifier = Transport(drafter, transport), Transport(verifier, transport)
-        self.max_batch_size, self.num_shards = max_batch_size, num_shards
+    def __init__(self, drafter, verifier, args: AppArgs, adaptive: AdaptiveK | None = None, observe_call=None):
+        self.drafter, self.verifier = Transport(drafter), Transport(verifier)
+        self.args = args
         self.adaptive = adaptive
         if adaptive is not None:
-            adaptive.multi_step = decode_steps > 1  # its plain rounds are then priced by multi-step calls only
-        self.verify_retry_s = verify_retry_s
-        self.drafter_timeout_s = drafter_timeout_s
-        self.decode_steps = decode_steps
-        self.prefill_steps = prefill_steps  # steps in a round that prefills (None: decode_steps)
-        # the Verifier gets the Drafter's drafts (one call per round) and has the next round's
-        # drafted right after its pass
-        self.prefetch = prefetch
-        # the Verifier decodes a plain sequence's next steps while its result travels back here
-        self.decode_ahead = decode_ahead
+            adaptive.multi_step = args.decode_steps > 1  # its plain rounds are then priced by multi-step calls only
         self.observe_call = observe_call or (lambda deployment, seconds: None)  # (name, s) per remote call
         self._drafter_down_until = 0.0  # after a failure, rounds skip the drafter (K=0) until then
         self._drafter_backoff = 1.0
-        self.local = {"ngram": NgramProposer()}  # needs no model: runs right here
+        self.local = {"ngram": NgramProposer(max_n=args.ngram_max)}  # needs no model: runs right here
         # prompt lookup before the Drafter: a match saves that sequence's draft (and, if every
         # sequence matches, the whole Drafter call)
-        self.lookup = lookup_proposer(lookup_min_n)
+        self.lookup = lookup_proposer(args.lookup_min_n, args.ngram_max)
         self.proposer_of: dict[str, str | None] = {}
         self.shards: dict[str, list[Entry]] = {}
         self._wake: dict[str, asyncio.Event] = {}
@@ -83,7 +70,7 @@ class RoundLoop:
         return sum(len(v) for v in self.shards.values())
 
     def shard_of(self, seq_id: str) -> str:
-        return f"shard-{zlib.crc32(seq_id.encode()) % self.num_shards}"
+        return f"shard-{zlib.crc32(seq_id.encode()) % self.args.num_shards}"
 
     def submit(self, seq: Sequence, proposer: str | None, timeout_s: float) -> Entry:
         shard = self.shard_of(seq.seq_id)
@@ -144,10 +131,10 @@ class RoundLoop:
                 await wake.wait()
                 continue
             try:
-                await self._round(shard, entries[: self.max_batch_size])
+                await self._round(shard, entries[: self.args.max_batch_size])
             except Exception as exc:  # never let one bad round kill the loop for everyone
                 log.exception("round failed")
-                for e in list(entries[: self.max_batch_size]):
+                for e in list(entries[: self.args.max_batch_size]):
                     self._fail(e, APIError(500, f"internal error: {exc}", "server_error"))
 
     def _price(self, shard: str, now: float | None) -> None:
@@ -170,52 +157,40 @@ class RoundLoop:
         if not batch:
             return
         rnd = Round([e.seq for e in batch], self.proposer_of, self.adaptive, self.lookup)
-        groups = rnd.propose_requests()
-        # with prefetch the Verifier gets the Drafter's drafts itself: one call for the round
-        fetch = groups.pop("draft", ([], []))[0] if self.prefetch and self._drafter_up() else []
-        for i in fetch + groups.get("draft", ([], []))[0]:
-            batch[i].on_drafter = True
-        for name, (idx, reqs) in groups.items():
+        for name, (idx, reqs) in rnd.propose_requests().items():
+            if name == "draft":
+                for i in idx:
+                    batch[i].on_drafter = True
             t0 = time.perf_counter()
             rnd.set_proposals(idx, await self._propose(shard, name, reqs), time.perf_counter() - t0)
-        vreqs = rnd.verify_requests(self.decode_steps, fetch, self.decode_ahead, self.prefill_steps)
-        for i in fetch:
-            # a sequence drafted for now will most likely want drafts again next round, at the
-            # same K: the Verifier has them made as soon as its pass is done
-            if rnd.batch[i].room() > rnd.ks[i] + 1:
-                vreqs[i].prefetch_k = rnd.ks[i]
-        answer = await self._verify(shard, vreqs)
+        answer = await self._verify(shard, rnd.verify_requests(self.args.decode_steps, self.args.prefill_steps))
         if answer is None:
             for e in batch:
                 self._fail(e, APIError(503, "verifier unavailable; retry later", "server_error",
                                        code="service_unavailable", headers={"Retry-After": "2"}))
             return
         results, t_verify = answer
-        t_round = time.perf_counter() - t_start - rnd.t_draft  # the round so far, its draft calls apart
-        if fetch:
-            draft_s = results[0].draft_s  # one wait for the call's drafts, reported on each result
-            t_verify -= draft_s
-            t_round -= draft_s
-            self.observe_call("Drafter", draft_s)
-            rnd.observe_draft(fetch, max(results[i].num_drafted for i in fetch), draft_s)
-            if any(r.draft_failed for r in results):
-                self._drafter_failed()
-            else:
-                self._drafter_backoff = 1.0
         self.observe_call("Verifier", t_verify)
         self.rounds += 1
-        self.trace.append({"t": round(t_start, 4), "batch": len(batch), "prefill": rnd.prefill_verify,
+        self._trace(rnd, results, t_start, t_verify)
+        # adaptive K is told what the round cost once the next one starts: the period between
+        # rounds counts the ingress's own work too, not just the call
+        committed = rnd.commit(results, None)
+        self._unpriced[shard] = (rnd, t_start, rnd.t_draft)
+        self._deliver(shard, batch, committed)
+
+    def _trace(self, rnd: Round, results, t_start: float, t_verify: float) -> None:
+        t_round = time.perf_counter() - t_start - rnd.t_draft  # the round so far, its draft calls apart
+        self.trace.append({"t": round(t_start, 4), "batch": len(rnd.batch), "prefill": rnd.prefill_verify,
                            "ks": list(rnd.ks), "lookup": [int(x) for x in rnd.is_lookup],
                            "drafted": [r.num_drafted for r in results],
                            "accepted": [r.num_accepted for r in results], "steps": max(r.num_passes for r in results),
                            "emitted": [len(r.token_ids) for r in results],
                            "verify_s": round(t_verify, 4), "round_s": round(t_round, 4), "draft_s": round(rnd.t_draft, 4),
                            "predicted": rnd.prediction})
-        # adaptive K is told what the round cost once the next one starts (with decoding ahead,
-        # a plain call's answer was mostly made before the call: the period between rounds is
-        # what counts, not the call)
-        committed = rnd.commit(results, None)
-        self._unpriced[shard] = (rnd, t_start, rnd.t_draft)
+
+    def _deliver(self, shard: str, batch: list[Entry], committed: list[tuple[Sequence, Delta]]) -> None:
+        """Each request's new tokens to its stream; finished and aborted ones leave the shard."""
         done = []
         for (seq, delta), e in zip(committed, batch):
             if e.aborted:  # aborted while this round was in flight: its calls may have re-cached it
@@ -247,7 +222,7 @@ class RoundLoop:
         call = handle.options(multiplexed_model_id=shard).propose.remote(reqs)
         t0 = time.perf_counter()
         try:
-            props = await asyncio.wait_for(call, self.drafter_timeout_s)
+            props = await asyncio.wait_for(call, self.args.drafter_timeout_s)
             self.drafter.learn(props)
             self.observe_call("Drafter", time.perf_counter() - t0)
             self._drafter_backoff = 1.0
@@ -262,7 +237,7 @@ class RoundLoop:
         """(results, seconds of the call that answered), or None when every try failed. Retried
         with backoff for up to verify_retry_s: a retry is idempotent (another or a restarted
         replica recomputes from the token lists), so a lost verifier costs time only."""
-        give_up, delay = time.monotonic() + self.verify_retry_s, 0.25
+        give_up, delay = time.monotonic() + self.args.verifier_retry_s, 0.25
         handle = self.verifier.pick(verify_bytes(reqs)).options(multiplexed_model_id=shard)
         while True:
             t0 = time.perf_counter()

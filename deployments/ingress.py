@@ -107,12 +107,7 @@ class OpenAIIngress:
         adaptive = AdaptiveK(k_max=self.args.max_speculative_tokens, **self.args.adaptive_options) \
             if self.args.adaptive else None
         self.metrics = ServeMetrics()
-        self.loop = RoundLoop(drafter, verifier, self.args.max_batch_size, self.args.num_shards, adaptive,
-                              self.args.verifier_retry_s, self.args.drafter_timeout_s, self.args.decode_steps,
-                              self.args.lookup_min_n, self.metrics.observe_call,
-                              prefetch=self.args.prefetch_drafts and drafter is not None,
-                              decode_ahead=self.args.decode_ahead, transport=self.args.transport,
-                              prefill_steps=self.args.prefill_steps)
+        self.loop = RoundLoop(drafter, verifier, self.args, adaptive, self.metrics.observe_call)
         self.has_drafter = drafter is not None
         self.replicas = [h for h in (verifier, drafter) if h is not None]
         self.ready_at = -1e9  # when the replicas last answered a readiness check

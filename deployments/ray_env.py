@@ -24,8 +24,8 @@ QUIET = {
     "RAY_task_events_report_interval_ms": "10000",  # task events for the dashboard's state API
     "RAY_raylet_report_resources_period_milliseconds": "1000",  # raylet -> GCS resource reports (default 100)
     "RAY_memory_monitor_refresh_ms": "1000",  # OOM monitor's polling (default 250)
-    # workers at normal priority (Ray's default 15 is for keeping its daemons responsive, which
-    # the settings above make lighter), so that a Drafter's lowered priority (draft_nice) has room
+    # workers at normal priority: Ray's default 15 keeps its daemons responsive, which the
+    # settings above make lighter, and would put the model replicas below any other process
     "RAY_worker_niceness": "0",
 }
 

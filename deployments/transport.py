@@ -1,5 +1,5 @@
 """Which way a call to a model replica travels: by value over Serve's gRPC transport, or by
-reference through Ray's object store (Serve's default).
+reference through Ray's object store (Serve's default), picked per call by its size.
 
 By value is ~2 ms cheaper per call here (bench/calls.py, bench/results/calls.json: one
 sequence's verify call 4.2 -> 2.6 ms, sixteen's 8.0 -> 6.0, a sampled one with 0.8 MB of q rows
@@ -14,12 +14,11 @@ BY_VALUE_MAX_BYTES = 1 << 20  # above this a call goes by reference (gRPC's limi
 
 
 class Transport:
-    """A replica handle's two ways, picked per call by the bytes the call may carry.
-    mode 'actor' sends everything by reference."""
+    """A replica handle's two ways, picked per call by the bytes the call may carry."""
 
-    def __init__(self, handle, mode: str = "grpc", max_bytes: int = BY_VALUE_MAX_BYTES):
+    def __init__(self, handle, max_bytes: int = BY_VALUE_MAX_BYTES):
         self.by_reference = handle
-        self.by_value = handle.options(_by_reference=False) if mode == "grpc" and handle is not None else None
+        self.by_value = handle.options(_by_reference=False) if handle is not None else None
         self.max_bytes = max_bytes
         # q rows' width, learned from the first proposal that carries them; until then a sampled
         # draft counts as too big
@@ -46,11 +45,11 @@ class Transport:
         return num_sampled_drafts * 4 * self.vocab if self.vocab else self.max_bytes + 1
 
 
-def sampled_drafts(requests, k_of=lambda r: r.num_speculative_tokens) -> int:
+def sampled_drafts(requests) -> int:
     """Drafts that will carry q rows: those of sampled (non-greedy) requests."""
-    return sum(k_of(r) for r in requests if not r.params.greedy)
+    return sum(r.num_speculative_tokens for r in requests if not r.params.greedy)
 
 
 def verify_bytes(requests) -> int:
-    """What a verify call's requests carry in q rows (drafts given, not fetched)."""
+    """What a verify call's requests carry in q rows."""
     return sum(r.draft_probs.numel() * r.draft_probs.element_size() for r in requests if r.draft_probs is not None)

@@ -7,21 +7,26 @@ import sys
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--verifier", default="default", help="'default', 'tiny[:opts]', an HF dir or a .gguf")
-    p.add_argument("--draft", default="default", help="'default', 'ngram', 'none', 'tiny[:opts]' or a model path")
-    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens per round; 0 = plain decoding")
-    p.add_argument("--adaptive", action="store_true", help="choose K per round from measured acceptance and cost")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
-    p.add_argument("--max-model-len", type=int, default=2048)
+    """The engine's options, with EngineConfig's defaults and descriptions (one configuration)."""
+    from specdec.config import EngineConfig
+
+    f = EngineConfig.model_fields
+    p.add_argument("--verifier", default=f["verifier"].default, help=f["verifier"].description)
+    p.add_argument("--draft", default=f["draft"].default, help=f["draft"].description)
+    p.add_argument("--k", type=int, default=f["num_speculative_tokens"].default, help=f["num_speculative_tokens"].description)
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=f["adaptive"].default,
+                   help=f["adaptive"].description)
+    p.add_argument("--device", default=f["device"].default, help=f["device"].description)
+    p.add_argument("--dtype", default=f["dtype"].default, help=f["dtype"].description)
+    p.add_argument("--threads", type=int, default=f["num_threads"].default, help=f["num_threads"].description)
+    p.add_argument("--max-model-len", type=int, default=f["max_model_len"].default, help=f["max_model_len"].description)
 
 
 def engine_config(a: argparse.Namespace):
     from specdec.config import EngineConfig
 
     return EngineConfig(verifier=a.verifier, draft="none" if a.k == 0 and a.draft == "default" else a.draft,
-                        num_speculative_tokens=a.k, adaptive=a.adaptive, device=a.device, dtype=a.dtype,
+                        num_speculative_tokens=a.k, adaptive=a.adaptive and a.k > 0, device=a.device, dtype=a.dtype,
                         num_threads=a.threads, max_model_len=a.max_model_len, max_seqs=4)
 
 

@@ -1,23 +1,25 @@
-"""Engine configuration (nanoGPT style: every field says what it is)."""
+"""Engine configuration: one set of fields and defaults, shared by the library, the CLI and the
+Serve app (whose `AppArgs` extends this class). Every field says what it is, in one line."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pydantic import BaseModel, ConfigDict, Field
 
 
-@dataclass
-class EngineConfig:
-    verifier: str = "default"  # 'default' (SmolLM2-135M-Instruct), 'tiny[:opts]', an HF dir or a .gguf
-    draft: str = "default"  # 'default' (shipped draft), 'ngram', 'none', 'tiny[:opts]' or a model path
-    num_speculative_tokens: int = 4  # K drafts per round; 0 = plain verifier decoding
-    adaptive: bool = False  # choose K per round from acceptance and the measured cost curve
-    device: str = "cpu"  # 'cpu', 'cuda', 'cuda:1' or 'auto'
-    dtype: str = "float32"  # 'float32', 'bfloat16' or 'float16'
-    max_seqs: int = 16  # KV cache slots per model (sequences resident at once)
-    max_model_len: int = 2048  # context window: prompt + output tokens
-    prefix_caching: bool = True  # new sequences start from the longest cached prefix (freed or live slots)
-    max_batch_size: int = 16  # sequences per verifier pass
-    num_threads: int = 0  # torch CPU threads; 0 = leave torch's default
-    ngram_max: int = 4  # longest suffix the n-gram proposer matches
-    lookup_min_n: int = 3  # before the draft, try prompt lookup: a suffix match this long drafts for free (0 = off)
-    tune_layouts: bool = True  # time the verifier's weight layouts per matmul row count at load (CPU)
-    progress: bool = True  # show progress bars when fetching / converting models
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    verifier: str = Field("default", description="Verifier model: 'default' (embedded SmolLM2-135M-Instruct), 'tiny[:opts]', an HF dir or a .gguf.")
+    draft: str = Field("default", description="Draft: 'default' (the shipped draft head), 'ngram', 'none', 'tiny[:opts]' or a model path.")
+    num_speculative_tokens: int = Field(8, ge=0, le=16, description="K drafts per round (with adaptive: the most it chooses); 0 = plain decoding.")
+    adaptive: bool = Field(True, description="Choose K each round from measured acceptance, load and cost (0 when speculation does not pay).")
+    device: str = Field("cpu", description="Torch device of the models: 'cpu', 'cuda', 'cuda:N' or 'auto'.")
+    dtype: str = Field("float32", description="Weights dtype: 'float32', 'bfloat16' or 'float16'.")
+    max_seqs: int = Field(32, ge=1, description="KV-cache slots per model (sequences resident at once); least recently used ones are evicted beyond it.")
+    max_model_len: int = Field(2048, ge=16, description="Context window: prompt + output tokens.")
+    prefix_caching: bool = Field(True, description="A new sequence starts from the longest prefix it shares with a cached one (a system prompt, a chat's history).")
+    max_batch_size: int = Field(16, ge=1, description="Sequences per verifier pass.")
+    num_threads: int = Field(0, ge=0, description="torch CPU threads for the verifier (0 = torch's default).")
+    ngram_max: int = Field(4, ge=1, le=16, description="Longest suffix prompt lookup (the 'ngram' proposer) matches.")
+    lookup_min_n: int = Field(3, ge=0, le=16, description="Before the draft, try prompt lookup: a suffix match this long drafts for free (0 = off).")
+    tune_layouts: bool = Field(True, description="Time the verifier's weight layouts per matmul row count at load, cached per machine (CPU).")
+    progress: bool = Field(True, description="Show progress bars while fetching and converting models.")

@@ -16,7 +16,6 @@ class SpecMetrics:
     num_verifier_passes: int = 0  # verify rounds this request took part in (= decoding steps)
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: rounds where draft j was accepted
     drafted_per_position: list[int] = field(default_factory=list)  # [j]: rounds that proposed a j-th draft
-    last_model_accepted: int = -1  # drafts accepted in the last round the model (not lookup) drafted; -1: none yet
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     t_finish: float | None = None
@@ -28,8 +27,6 @@ class SpecMetrics:
         if lookup:  # the drafts were copied by prompt lookup
             self.num_lookup_drafted += num_drafted
             self.num_lookup_accepted += num_accepted
-        elif num_drafted:
-            self.last_model_accepted = num_accepted
         for per, n in ((self.drafted_per_position, num_drafted), (self.accepted_per_position, num_accepted)):
             per.extend([0] * (n - len(per)))
             for j in range(n):

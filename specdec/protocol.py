@@ -37,18 +37,8 @@ class VerifyRequest:
     # verifier is paid once per several tokens: the first verifies the drafts (if any), the rest
     # are plain decoding steps from where it left the sequence
     num_steps: int = 1
-    # the verifier gets this many drafts from the drafter itself, from its prefetch where that
-    # drafted from these tokens (draft_token_ids then empty): a round is one call for the driver
-    fetch_k: int = 0
-    feature: Tensor | None = None  # [dim] with fetch_k: what the drafter needs on a prefetch miss
-    # after this pass, have the drafter draft this many for the sequence's next round, from the
-    # new tokens and feature, while the result travels back (Serve's draft prefetch; 0 = don't)
-    prefetch_k: int = 0
     # tokens that end the sequence (EOS, stop ids): plain steps stop after sampling one
     stop_ids: tuple[int, ...] = ()
-    # after answering, decode this many more plain steps past the result while it travels back
-    # (pipelined multi-step decoding): a next call with the same tokens plus these takes them done
-    ahead_steps: int = 0
 
 
 @dataclass
@@ -68,7 +58,5 @@ class VerifyResult:
     num_drafted: int  # K of this round
     feature: Tensor | None = None  # [dim] verifier hidden state that predicted the last emitted token
     num_passes: int = 1  # verifier forward passes that produced token_ids (at most num_steps of the request)
-    draft_s: float = 0.0  # with fetch_k: seconds the verifier waited for the call's drafts (0 if prefetched in time)
-    draft_failed: bool = False  # with fetch_k: the drafter did not answer; verified without drafts
     logprobs: list[TokenLogprob] | None = None  # [len(token_ids)] when the request's params ask for them
     passes_s: list[float] | None = None  # seconds of each of the call's passes (its first: the verify pass)

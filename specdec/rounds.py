@@ -36,24 +36,11 @@ class Round:
         self.first_draft = [not s.metrics.num_model_drafted for s in batch]  # no model draft verified yet
         self.prediction: dict | None = None  # what adaptive K expected of its choice (round traces)
         if adaptive is not None:
-            # the model's drafts grow as a sequence shows they are accepted (lookup: by its match)
-            budgets = [b if x else min(b, adaptive.model_cap(s.metrics.last_model_accepted))
-                       for b, x, s in zip(budgets, self.looked_up, batch)]
-            acc = [adaptive.acceptance(s.metrics.num_model_accepted, s.metrics.num_model_drafted)
-                   for s in batch]
-            lacc = [adaptive.lookup.of_sequence(s.metrics.num_lookup_accepted, s.metrics.num_lookup_drafted)
-                    for s in batch]
-            # past its prefill (a draft needs the verifier's feature), never drafted by the model,
-            # and with enough left to emit that what its probe shows can still be used
-            new = [bool(s.output_ids) and first and s.room() >= adaptive.probe_min_room
-                   for s, first in zip(batch, self.first_draft)]
-            budgets = adaptive.choose(acc, budgets, new, [len(x) for x in self.looked_up], lacc,
-                                      prefilling=self.prefill_verify)
-            self.prediction = adaptive.last_prediction
+            budgets = self._choose(adaptive, budgets)
         # a probe rides along a multi-step plain call: its drafts in the first pass, then every
-        # sequence's plain steps (as a drafting round it cut all of them to one step: one more call
-        # for the batch, and an answer out of step with the others, ending in one more)
-        self.ride_along = adaptive is not None and adaptive.ride_along and adaptive.last_probe
+        # sequence's plain steps (as a drafting round it would cut all of them to one step: one
+        # more call for the batch, and an answer out of step with the others)
+        self.ride_along = adaptive is not None and adaptive.last_probe
         self.ks = budgets
         self.drafts: list[Proposal] = [Proposal([], None) for _ in batch]
         self.is_lookup = [bool(x) and k > 0 for x, k in zip(self.looked_up, self.ks)]
@@ -64,6 +51,19 @@ class Round:
         self._cost_sample: tuple[int, int, int] | None = None  # (batch, tokens in pass, passes), set by commit
         self._passes_s: list[float] | None = None  # a ridden-along call's pass times (commit)
         self.t_committed = 0.0
+
+    def _choose(self, adaptive: AdaptiveK, budgets: list[int]) -> list[int]:
+        """K per sequence from adaptive K, given each one's record and budget."""
+        acc = [adaptive.acceptance(s.metrics.num_model_accepted, s.metrics.num_model_drafted) for s in self.batch]
+        lacc = [adaptive.lookup.of_sequence(s.metrics.num_lookup_accepted, s.metrics.num_lookup_drafted)
+                for s in self.batch]
+        # past its prefill (a draft needs the verifier's feature), never drafted by the model,
+        # and with enough left to emit that what its probe shows can still be used
+        new = [bool(s.output_ids) and first and s.room() >= adaptive.probe_min_room
+               for s, first in zip(self.batch, self.first_draft)]
+        ks = adaptive.choose(acc, budgets, new, [len(x) for x in self.looked_up], lacc, prefilling=self.prefill_verify)
+        self.prediction = adaptive.last_prediction
+        return ks
 
     def propose_requests(self) -> dict[str, tuple[list[int], list[ProposeRequest]]]:
         """Requests per proposer name: (batch indices, requests)."""
@@ -81,37 +81,26 @@ class Round:
         self.observe_draft(idx, max((len(p.token_ids) for p in proposals), default=0), seconds)
 
     def observe_draft(self, idx: list[int], k: int, seconds: float) -> None:
-        """A draft call for batch indices idx, up to k drafts each, took seconds (drafts fetched
-        by the verifier: as long as the round waited for them)."""
+        """A draft call for batch indices idx, up to k drafts each, took seconds."""
         self.t_draft += seconds
         if self.adaptive is not None and all(self.batch[i].metrics.num_drafted for i in idx):
             self.adaptive.observe_draft(len(idx), k, seconds)
 
-    def verify_requests(self, decode_steps: int = 1, fetch: list[int] = (), ahead: bool = False,
-                        prefill_steps: int | None = None) -> list[VerifyRequest]:
-        """decode_steps > 1: if no sequence has drafts this round, ask for that many plain
-        decoding steps in the one verifier call (each capped by what its sequence may emit).
-        prefill_steps: at most that many in a round that prefills a prompt (a remote verifier's
-        call streams nothing until it returns: 1 sends a new request's first token after its prefill)
-        fetch: batch indices whose drafts the verifier gets from the drafter itself. ahead: a
-        sequence without drafts has the verifier decode its next decode_steps plain steps right
-        after this call (a remote verifier: they are made while the result travels)."""
-        drafting = fetch or any(d.token_ids for d in self.drafts)
-        steps = decode_steps if not drafting or (self.ride_along and not fetch) else 1
+    def verify_requests(self, decode_steps: int = 1, prefill_steps: int | None = None) -> list[VerifyRequest]:
+        """decode_steps > 1: if no sequence has drafts this round (or a probe rides along), ask
+        for that many plain decoding steps in the one verifier call (each capped by what its
+        sequence may emit). prefill_steps: at most that many in a round that prefills a prompt (a
+        remote verifier's call streams nothing until it returns: 1 sends a new request's first
+        token right after its prefill)."""
+        drafting = any(d.token_ids for d in self.drafts)
+        steps = decode_steps if not drafting or self.ride_along else 1
         if self.prefill_verify and prefill_steps is not None:
             steps = min(steps, prefill_steps)
         # what a sequence emits (accepted drafts, their recovered or bonus token, then plain
         # steps) stays within what it may: a draft budget leaves room for one more token
-        reqs = [VerifyRequest(s.seq_id, list(s.tokens), d.token_ids, d.probs, s.params,
+        return [VerifyRequest(s.seq_id, list(s.tokens), d.token_ids, d.probs, s.params,
                               max(1, min(steps, s.room() - len(d.token_ids))), stop_ids=tuple(s.stop_ids))
                 for s, d in zip(self.batch, self.drafts)]
-        for i in fetch:
-            reqs[i].fetch_k, reqs[i].feature = self.ks[i], self.batch[i].feature
-        if ahead:
-            for r, s in zip(reqs, self.batch):
-                if not r.draft_token_ids and not r.fetch_k and s.params.logprobs is None:  # ahead keeps no logprobs
-                    r.ahead_steps = max(0, min(decode_steps, s.room() - r.num_steps))
-        return reqs
 
     def commit(self, results: list[VerifyResult], verify_seconds: float | None) -> list[tuple[Sequence, Delta]]:
         """verify_seconds None: the round's cost is observed later, by observe_cost (Serve: once

@@ -73,7 +73,7 @@ def generation_docs(model, hf_tok, prompts: list[dict], max_tokens: int, batch: 
     from specdec.verifier import Verifier
 
     runner = RecordingRunner(model, max_seqs=batch, max_len=max_len, prefix_caching=False)  # record every position
-    cfg = EngineConfig(num_speculative_tokens=0, max_seqs=batch, max_batch_size=batch, max_model_len=max_len,
+    cfg = EngineConfig(num_speculative_tokens=0, adaptive=False, max_seqs=batch, max_batch_size=batch, max_model_len=max_len,
                        progress=False)
     eng = SpecEngine(Verifier(runner), None, TextTokenizer(hf_tok), cfg)
     seqs = []

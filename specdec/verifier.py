@@ -1,16 +1,10 @@
-"""The verifier: one batched forward pass over every sequence's proposals, then rejection sampling.
-
-Decoding ahead (pipelined multi-step decoding, for a remote verifier): after a call's results go
-back, `decode_ahead` runs the plain steps the sequence's next call will ask for, so that call
-finds them done instead of paying its round trip with the verifier idle. A step samples exactly
-as it would in that next call (same sampler path, same per-position generator), so whether a
-token was decoded ahead or on demand changes nothing in the output."""
+"""The verifier: one batched forward pass over every sequence's proposals, then rejection sampling,
+then any further plain decoding steps the call asked for (multi-step scheduling)."""
 from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import deque
 
 import torch
 from torch import Tensor
@@ -30,37 +24,20 @@ def token_logprobs(logits: Tensor, token_ids: list[int], n: int) -> list[TokenLo
     return [TokenLogprob(t, c, list(zip(i, v))) for t, c, i, v in zip(token_ids, chosen, top_ids.tolist(), top_lp.tolist())]
 
 
-@dataclass
-class Ahead:
-    """A sequence's tokens followed by plain steps decoded ahead of any call asking for them."""
-
-    tokens: list[int]  # tokens[:start] came in a call; tokens[start:] were decoded ahead
-    start: int
-    features: list[Tensor] = field(default_factory=list)  # [i]: hidden state that predicted tokens[start + i]
-
-
 class Verifier:
     def __init__(self, runner: ModelRunner, history: int = 4096):
         self.runner = runner
         self.batch_sizes: deque[int] = deque(maxlen=history)  # sequences per verifier pass
         self.passes = 0  # verifier forward passes (verify rounds) so far
-        self.busy_s = 0.0  # time spent inside verify() and decode_ahead()
-        self.ahead: OrderedDict[str, Ahead] = OrderedDict()
-        self.ahead_decoded = 0  # tokens decoded ahead
-        self.ahead_served = 0  # of those, tokens a call took
+        self.busy_s = 0.0  # time spent inside verify() and prompt_logprobs()
 
     def free(self, seq_id: str) -> None:
         self.runner.free(seq_id)
-        self.ahead.pop(seq_id, None)
 
     @torch.no_grad()
     def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
         t0 = time.perf_counter()
-        results: list[VerifyResult | None] = [self._take_ahead(r) for r in requests]
-        todo = [i for i, res in enumerate(results) if res is None]
-        if todo:
-            for i, res in zip(todo, self._compute([requests[i] for i in todo])):
-                results[i] = res
+        results = self._compute(requests)
         self.busy_s += time.perf_counter() - t0
         return results
 
@@ -82,54 +59,8 @@ class Verifier:
         self.busy_s += time.perf_counter() - t0
         return out
 
-    def _take_ahead(self, r: VerifyRequest) -> VerifyResult | None:
-        """A plain request's steps, if they were decoded ahead from its very tokens."""
-        a = self.ahead.get(r.seq_id)
-        n, m = len(r.tokens), r.num_steps
-        if a is None or r.draft_token_ids or r.fetch_k or r.params.logprobs is not None or not a.start <= n \
-                or n + m > len(a.tokens) or a.tokens[:n] != r.tokens:
-            self.ahead.pop(r.seq_id, None)  # drafted for, or other tokens: what is ahead is stale
-            return None
-        toks = a.tokens[n : n + m]
-        stop = next((j for j, t in enumerate(toks) if t in r.stop_ids), None)
-        if stop is not None:
-            toks = toks[: stop + 1]  # as the call itself would have: nothing past a stop token
-        self.ahead_served += len(toks)
-        return VerifyResult(toks, 0, 0, a.features[n + len(toks) - 1 - a.start], num_passes=len(toks))
-
-    @torch.no_grad()
-    def decode_ahead(self, requests: list[VerifyRequest], results: list[VerifyResult], keep=lambda seq_id: True) -> None:
-        """Decode each request's ahead_steps plain steps past its result (continuing what was
-        decoded ahead before, if the call took from it). keep(seq_id) is asked before every step:
-        a sequence whose next call turned out to want something else stops there."""
-        t0 = time.perf_counter()
-        todo: list[tuple[VerifyRequest, Ahead]] = []
-        for r, res in zip(requests, results):
-            toks = r.tokens + res.token_ids
-            if r.ahead_steps <= 0 or r.params.logprobs is not None or any(t in r.stop_ids for t in res.token_ids) \
-                    or not keep(r.seq_id):
-                continue
-            a = self.ahead.get(r.seq_id)
-            if a is None or len(a.tokens) < len(toks) or a.tokens[: len(toks)] != toks:
-                a = self.ahead[r.seq_id] = Ahead(toks, len(toks))
-            self.ahead.move_to_end(r.seq_id)
-            need = len(toks) + r.ahead_steps - len(a.tokens)
-            if need > 0 and not any(t in r.stop_ids for t in a.tokens[len(toks) :]):
-                todo.append((VerifyRequest(r.seq_id, list(a.tokens), [], None, r.params, need, stop_ids=r.stop_ids), a))
-        while len(self.ahead) > 4 * self.runner.max_seqs:  # sequences that ended without a free
-            self.ahead.popitem(last=False)
-        if todo:
-            features: list[list[Tensor]] = [[] for _ in todo]
-            out = self._compute([q for q, _ in todo], keep, features)
-            for (q, a), res, f in zip(todo, out, features):
-                a.tokens += res.token_ids
-                a.features += f
-                self.ahead_decoded += len(res.token_ids)
-        self.busy_s += time.perf_counter() - t0
-
-    def _compute(self, requests: list[VerifyRequest], keep=None, features: list[list[Tensor]] | None = None) -> list[VerifyResult]:
-        """One pass over the requests' drafts, then their further plain steps. With features,
-        every step's feature is collected per request (decoding ahead: a call may take fewer)."""
+    def _compute(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
+        """One pass over the requests' drafts, then their further plain steps."""
         ids = [r.seq_id for r in requests]
         ks = [len(r.draft_token_ids) for r in requests]
         steps = [r.num_steps for r in requests]
@@ -151,8 +82,6 @@ class Verifier:
             results.append(VerifyResult(toks[b], len(toks[b]) - 1, k, feats[b].clone()))
             if requests[b].params.logprobs is not None:  # row j of the block produced token j
                 results[b].logprobs = token_logprobs(logits[r0 : r0 + len(toks[b])], toks[b], requests[b].params.logprobs)
-            if features is not None:
-                features[b].append(results[-1].feature)
         self.passes += 1
         self.batch_sizes.append(len(requests))
         passes_s = [time.perf_counter() - t_pass]
@@ -160,7 +89,7 @@ class Verifier:
             for r, k, res in zip(requests, ks, results):
                 if k:  # continue after the accepted drafts: the rejected ones' rows get overwritten
                     self.runner.truncate(r.seq_id, len(r.tokens) + len(res.token_ids) - 1)
-            self._decode_more(requests, results, steps, keep, features, passes_s)
+            self._decode_more(requests, results, steps, passes_s)
         for res in results:
             res.passes_s = passes_s
         return results
@@ -184,16 +113,15 @@ class Verifier:
         return rejection_sample(drafts, ks, probs, torch.cat(rows), [r.params.greedy for r in requests], gens)
 
     def _decode_more(self, requests: list[VerifyRequest], results: list[VerifyResult], steps: list[int],
-                     keep=None, features: list[list[Tensor]] | None = None, passes_s: list[float] | None = None) -> None:
+                     passes_s: list[float]) -> None:
         """Steps 2..num_steps of plain decoding, batched over the requests that asked for them,
         each from its result so far (a verified request's: after its accepted drafts and recovered
         or bonus token). Each step samples exactly as a separate draft-free round would (same
         rejection-sampler path, same per-position generator), so output does not depend on
-        num_steps. A request stops early after a stop token, or when keep(seq_id) says no."""
+        num_steps. A request stops early after a stop token."""
         for step in range(1, max(steps)):
             t_pass = time.perf_counter()
-            idx = [b for b, n in enumerate(steps) if n > step and results[b].token_ids[-1] not in requests[b].stop_ids
-                   and (keep is None or keep(requests[b].seq_id))]
+            idx = [b for b, n in enumerate(steps) if n > step and results[b].token_ids[-1] not in requests[b].stop_ids]
             if not idx:
                 break
             ids = [requests[b].seq_id for b in idx]
@@ -209,12 +137,9 @@ class Verifier:
                 if results[b].logprobs is not None:
                     results[b].logprobs += token_logprobs(logits[j : j + 1], [int(out[j, 0])], requests[b].params.logprobs)
                 # the last step's feature seeds the next draft (one that stops early at a stop token
-                # ends its sequence, which drafts no more); decoding ahead keeps every step's
-                if step == steps[b] - 1 or features is not None:
+                # ends its sequence, which drafts no more)
+                if step == steps[b] - 1:
                     results[b].feature = feats[j].clone()
-                if features is not None:
-                    features[b].append(results[b].feature)
             self.passes += 1
             self.batch_sizes.append(len(idx))
-            if passes_s is not None:
-                passes_s.append(time.perf_counter() - t_pass)
+            passes_s.append(time.perf_counter() - t_pass)

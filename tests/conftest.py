@@ -45,7 +45,7 @@ def make_engine(target, draft=None, k=4, tok=None, max_seqs=16, max_len=512, max
 
     if proposer is None and draft is not None:
         proposer = DraftModelProposer(ModelRunner(draft, max_seqs, max_len, prefix_caching=prefix_caching))
-    cfg = EngineConfig(num_speculative_tokens=k, max_batch_size=max_batch)
+    cfg = EngineConfig(num_speculative_tokens=k, adaptive=False, max_batch_size=max_batch)
     return SpecEngine(Verifier(ModelRunner(target, max_seqs, max_len, prefix_caching=prefix_caching)), proposer, tok, cfg)
 
 

@@ -102,7 +102,7 @@ def test_the_builder_is_what_serve_run_accepts(path):
 
 def test_adaptive_options_name_adaptive_k_settings():
     """`adaptive_options` reaches AdaptiveK's settings; a misspelt one fails at load, not silently."""
-    assert AppArgs(adaptive_options={"slow_start": False, "min_gain": 0.05}).adaptive_options["min_gain"] == 0.05
+    assert AppArgs(adaptive_options={"first_probe_k": 2, "min_gain": 0.05}).adaptive_options["min_gain"] == 0.05
     with pytest.raises(ValueError, match="unknown adaptive option"):
         AppArgs(adaptive_options={"min_gian": 0.05})
     with pytest.raises(ValueError, match="unknown adaptive option"):  # follows decode_steps, not a choice

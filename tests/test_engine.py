@@ -215,68 +215,6 @@ def test_a_round_that_prefills_takes_prefill_steps(tiny_target):
     assert emitted == [1, 5, 9, 13]
 
 
-@pytest.mark.parametrize("params", [SamplingParams(max_tokens=13, ignore_eos=True),
-                                    SamplingParams(max_tokens=13, ignore_eos=True, temperature=0.9, seed=7)],
-                         ids=["greedy", "sampled"])
-def test_decoding_ahead_equals_on_demand(tiny_target, params):
-    """Serve's pipelined decoding: after each call the verifier decodes the next call's steps
-    ahead; the next call takes them. Same tokens as plain rounds, and almost all taken from ahead."""
-    from specdec.rounds import Round
-
-    prompts = ragged_prompts(5)
-    want = make_engine(tiny_target, k=0).generate(prompts, params)
-    eng = make_engine(tiny_target, k=0)
-    seqs = [eng.add_request(p, params) for p in prompts]
-    while any(not s.finished for s in seqs):
-        rnd = Round([s for s in seqs if not s.finished], eng._proposer_of, None)
-        reqs = rnd.verify_requests(decode_steps=4, ahead=True)
-        results = eng.verifier.verify(reqs)
-        eng.verifier.decode_ahead(reqs, results)
-        rnd.commit(results, 0.0)
-    assert [s.output_ids for s in seqs] == [w.token_ids for w in want]
-    assert eng.verifier.ahead_served == 5 * 9  # all but the first call's 4 tokens
-    assert eng.verifier.ahead_decoded == 5 * 9  # never more than the calls took (capped by what may be emitted)
-
-
-def test_decoding_ahead_stale_or_stopped_is_never_used(tiny_target):
-    """Ahead tokens serve only a plain call with exactly the tokens they continue: a call with
-    drafts or other tokens gets what a fresh verifier computes; decoding ahead stops at a stop
-    token, and for a sequence keep() turns down."""
-    from specdec.protocol import VerifyRequest, VerifyResult
-
-    params = SamplingParams(max_tokens=64, temperature=0.9, seed=3)
-    prompt = ragged_prompts(1)[0]
-
-    def fresh(req):
-        return make_engine(tiny_target, k=0).verifier.verify([req])[0].token_ids
-
-    eng = make_engine(tiny_target, k=0)
-    v = eng.verifier
-    first = VerifyRequest("s", list(prompt), [], None, params, num_steps=2, ahead_steps=4)
-    res = v.verify([first])
-    v.decode_ahead([first], res)
-    assert v.ahead_decoded == 4
-    toks = prompt + res[0].token_ids
-    drafted = VerifyRequest("s", list(toks), [v.ahead["s"].tokens[len(toks)], 5], None, params)
-    assert v.verify([drafted])[0].token_ids == fresh(drafted)
-    assert v.ahead_served == 0 and "s" not in v.ahead  # a call with drafts drops what was ahead
-    other = VerifyRequest("t", list(toks), [], None, params, num_steps=3, ahead_steps=3)
-    v.decode_ahead([other], v.verify([other]))
-    changed = VerifyRequest("t", list(toks[:-1]) + [toks[-1] + 1], [], None, params, num_steps=3)
-    assert v.verify([changed])[0].token_ids == fresh(changed)
-    assert v.ahead_served == 0
-    # a stop token ends decoding ahead: the token after the first step's is made a stop id
-    probe = VerifyRequest("u", list(toks), [], None, params, num_steps=1)
-    nxt = v.verify([probe])[0].token_ids
-    stop = VerifyRequest("u", list(toks), [], None, params, num_steps=1, ahead_steps=5,
-                         stop_ids=(fresh(VerifyRequest("x", toks + nxt, [], None, params))[0],))
-    v.decode_ahead([stop], [VerifyResult(list(nxt), 0, 0)])
-    assert len(v.ahead["u"].tokens) == len(toks) + 2  # the stop token, and nothing after it
-    turned_down = VerifyRequest("w", list(toks), [], None, params, num_steps=1, ahead_steps=4)
-    v.decode_ahead([turned_down], v.verify([turned_down]), keep=lambda seq_id: seq_id != "w")
-    assert "w" not in v.ahead
-
-
 def test_ragged_forward_runs_real_tokens_only_and_equals_one_by_one(tiny_target):
     """A ragged batch (some sequences 1 token, some 4) runs its matmuls over the real tokens only
     (BatchIndex.rows) and gives each sequence what a forward of it alone gives."""

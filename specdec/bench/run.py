@@ -216,7 +216,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 # -- main ----------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="specdec bench", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="one prompt per category, fewer rows (<= 3 min)")
     ap.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 40, quick 32)")
@@ -229,55 +229,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results-dir", default="bench/results", help="where <name>.json/.md/.png go")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF rows")
     ap.add_argument("--no-sampled", action="store_true", help="skip the sampled rows")
-    a = ap.parse_args(argv)
-    t_begin = time.time()
-    torch.set_num_threads(a.threads)
+    return ap.parse_args(argv)
+
+
+def build_rows(a: argparse.Namespace, max_tokens: int) -> "Rows":
+    """Our engines and HF's model on one set of weights. Fixed-K rows measure the draft alone;
+    "adaptive" is the shipped default (adaptive K, prompt lookup first), "adaptive_draft" the same
+    without lookup. Prefix caching is off: every row runs the same prompts, so a cache would hand
+    all but the first row its prompt for free (HF's rows get no such help); bench/prefix_cache.py
+    measures it."""
     from transformers import AutoModelForCausalLM
 
     from specdec.config import EngineConfig
-    from specdec.engine import SpecEngine, build_proposer
+    from specdec.engine import SpecEngine
     from specdec.models.loader import model_dir
     from specdec.proposers import NgramProposer
 
-    max_tokens = a.max_tokens or (32 if a.quick else 40)
-    per_cat = a.per_category if a.per_category is not None else (1 if a.quick else 2)
-    # fixed-K rows measure the draft alone; "adaptive" is the shipped default (adaptive K, prompt
-    # lookup first), "adaptive_draft" the same without lookup
-    # prefix caching off: every row runs the same prompts, so a cache would hand all but the first
-    # row its prompt for free (HF's rows get no such help); bench/prefix_cache.py measures it
-    cfg = EngineConfig(verifier=a.verifier, draft=a.draft, max_seqs=4, max_model_len=2048, lookup_min_n=0,
-                       prefix_caching=False)
+    cfg = EngineConfig(verifier=a.verifier, draft=a.draft, adaptive=False, max_seqs=4, max_model_len=2048,
+                       lookup_min_n=0, prefix_caching=False)
     base = SpecEngine.from_config(cfg)
     adaptive, adaptive_draft = (
         SpecEngine(base.verifier, base.proposers[base.default_proposer], base.tokenizer,
-                   EngineConfig(num_speculative_tokens=8, adaptive=True, lookup_min_n=n), {"ngram": NgramProposer()})
-        for n in (EngineConfig.lookup_min_n, 0))
+                   EngineConfig(lookup_min_n=n), {"ngram": NgramProposer()})
+        for n in (EngineConfig().lookup_min_n, 0))
     hf_dir = None if a.no_hf else model_dir(a.verifier)  # None for tiny models: HF has no copy of them
     hf = None if hf_dir is None else AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    rows = Rows(base, {"adaptive": adaptive, "adaptive_draft": adaptive_draft}, hf, base.tokenizer, max_tokens)
-    prompts = load_prompts(per_cat or None)
-    ids = [base.tokenizer.chat(p["messages"]) for p in prompts]
+    return Rows(base, {"adaptive": adaptive, "adaptive_draft": adaptive_draft}, hf, base.tokenizer, max_tokens)
 
-    greedy_rows = ["k0", "k1", "k2", "k3", "k4", "k6", "k8", "adaptive", "adaptive_draft", "ngram"] if not a.quick else \
-        ["k0", "k1", "k2", "k4", "adaptive", "ngram"]
-    if hf is not None:
-        greedy_rows += ["hf_plain", "hf_prompt_lookup"]
-    sampled_rows = [] if a.no_sampled else ["k0", "k1", "adaptive"]
 
-    print(f"verify cost curve ...", flush=True)
-    curve = verify_cost_curve(base.verifier.runner)
-    c_ms = draft_step_ms(base, ids[0])
-    # warm up both engines (allocator, adaptive cost fits) on a prompt outside the measured set
-    warm = base.tokenizer.chat([{"role": "user", "content": "Say hello in five words."}])
-    for eng in (base, adaptive, adaptive_draft):
-        eng.generate([warm], SamplingParams(max_tokens=24), num_speculative_tokens=4)
-
-    results: dict[str, dict[str, list[dict]]] = {"greedy": {r: [] for r in greedy_rows},
-                                                  "sampled": {r: [] for r in sampled_rows}}
+def run_prompts(rows: "Rows", prompts: list[dict], ids: list[list[int]], row_names: dict[str, list[str]],
+                max_tokens: int) -> dict[str, dict[str, list[dict]]]:
+    """Every row on every prompt, greedy and sampled, rows interleaved per prompt."""
+    results = {mode: {r: [] for r in names} for mode, names in row_names.items()}
     t_start = time.time()
     for i, (p, pid) in enumerate(zip(prompts, ids)):
-        for mode, row_names in (("greedy", greedy_rows), ("sampled", sampled_rows)):
-            order = row_names if i % 2 == 0 else row_names[::-1]  # alternate order against drift
+        for mode, names in row_names.items():
+            order = names if i % 2 == 0 else names[::-1]  # alternate order against drift
             for row in order:
                 params = SamplingParams(max_tokens=max_tokens) if mode == "greedy" else \
                     SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.95, seed=1000 + i)
@@ -285,40 +272,79 @@ def main(argv: list[str] | None = None) -> int:
                 r["category"] = p["category"]
                 results[mode][row].append(r)
         print(f"  prompt {i + 1}/{len(prompts)} ({p['category']}) done, {time.time() - t_start:.0f}s", flush=True)
+    return results
 
-    out = {"config": {"max_tokens": max_tokens, "prompts": len(prompts), "threads": a.threads, "quick": a.quick,
-                      "verifier": a.verifier, "draft": a.draft, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M")},
-           "verify_cost_ms": curve, "draft_step_ms": c_ms, "draft_cost_ratio_c": c_ms / curve[1]}
+
+def tabulate(results: dict, prompts: list[dict], greedy_rows: list[str]) -> dict:
+    """Rows summarised against K=0, overall and per prompt category."""
+    out = {}
     for mode in ("greedy", "sampled"):
         if results[mode]:
             b = results[mode]["k0"]
             out[mode] = [summarize_row(r, runs, b) for r, runs in results[mode].items()]
-    # per category: adaptive and n-gram against K=0
-    cats = sorted({p["category"] for p in prompts})
     out["by_category"] = {}
-    for cat in cats:
+    for cat in sorted({p["category"] for p in prompts}):
         sel = [j for j, p in enumerate(prompts) if p["category"] == cat]
         b = [results["greedy"]["k0"][j] for j in sel]
         out["by_category"][cat] = {row: summarize_row(row, [results["greedy"][row][j] for j in sel], b)["speedup_vs_k0"]
                                    for row in greedy_rows}
-    out["summary"] = summary(out)
-    out["config"]["wall_s"] = time.time() - t_begin  # the whole run, model loading included
-    name = a.name or ("quick" if a.quick else "default")
-    res_dir = Path(a.results_dir)
+    return out
+
+
+def write_results(out: dict, res_dir: Path, name: str, greedy_rows: list[str]) -> list[str]:
+    """<name>.json, .md and .png under res_dir; returns the Markdown lines."""
+    cfg, curve = out["config"], out["verify_cost_ms"]
     res_dir.mkdir(parents=True, exist_ok=True)
     (res_dir / f"{name}.json").write_text(json.dumps(out, indent=1, default=float))
-    md = [f"## Greedy ({len(prompts)} prompts, {max_tokens} new tokens, {a.threads} threads)", markdown(out["greedy"])]
+    md = [f"## Greedy ({cfg['prompts']} prompts, {cfg['max_tokens']} new tokens, {cfg['threads']} threads)",
+          markdown(out["greedy"])]
     if "sampled" in out:
         md += ["", "## Sampled (T=0.7, top-p 0.95)", markdown(out["sampled"])]
     md += ["", "## Speedup vs K=0 by prompt category (greedy)",
            "| category | " + " | ".join(greedy_rows) + " |", "|---|" + "---|" * len(greedy_rows)]
-    md += [f"| {c} | " + " | ".join(f"{v:.2f}" for v in out["by_category"][c].values()) + " |" for c in cats]
-    md += ["", "Verify cost (ms per pass by tokens in pass): " +
-           ", ".join(f"{t}: {v:.1f}" for t, v in curve.items()),
-           f"Draft step: {c_ms:.1f} ms (c = {out['draft_cost_ratio_c']:.3f} of a 1-token verifier pass)",
-           f"Run took {out['config']['wall_s'] / 60:.1f} min.", "", "Summary: " + json.dumps(out["summary"])]
+    md += [f"| {c} | " + " | ".join(f"{v:.2f}" for v in v_by_row.values()) + " |"
+           for c, v_by_row in out["by_category"].items()]
+    md += ["", "Verify cost (ms per pass by tokens in pass): " + ", ".join(f"{t}: {v:.1f}" for t, v in curve.items()),
+           f"Draft step: {out['draft_step_ms']:.1f} ms (c = {out['draft_cost_ratio_c']:.3f} of a 1-token verifier pass)",
+           f"Run took {cfg['wall_s'] / 60:.1f} min.", "", "Summary: " + json.dumps(out["summary"])]
     (res_dir / f"{name}.md").write_text("\n".join(md) + "\n")
     plot(out, res_dir / f"{name}.png")
+    return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    t_begin = time.time()
+    torch.set_num_threads(a.threads)
+    max_tokens = a.max_tokens or (32 if a.quick else 40)
+    per_cat = a.per_category if a.per_category is not None else (1 if a.quick else 2)
+    rows = build_rows(a, max_tokens)
+    base = rows.engine
+    prompts = load_prompts(per_cat or None)
+    ids = [base.tokenizer.chat(p["messages"]) for p in prompts]
+    greedy_rows = ["k0", "k1", "k2", "k4", "adaptive", "ngram"] if a.quick else \
+        ["k0", "k1", "k2", "k3", "k4", "k6", "k8", "adaptive", "adaptive_draft", "ngram"]
+    if rows.hf is not None:
+        greedy_rows += ["hf_plain", "hf_prompt_lookup"]
+    sampled_rows = [] if a.no_sampled else ["k0", "k1", "adaptive"]
+
+    print("verify cost curve ...", flush=True)
+    curve = verify_cost_curve(base.verifier.runner)
+    c_ms = draft_step_ms(base, ids[0])
+    # warm up every engine (allocator, adaptive cost fits) on a prompt outside the measured set
+    warm = base.tokenizer.chat([{"role": "user", "content": "Say hello in five words."}])
+    for eng in (base, *rows.adaptive_engines.values()):
+        eng.generate([warm], SamplingParams(max_tokens=24), num_speculative_tokens=4)
+    results = run_prompts(rows, prompts, ids, {"greedy": greedy_rows, "sampled": sampled_rows}, max_tokens)
+
+    out = {"config": {"max_tokens": max_tokens, "prompts": len(prompts), "threads": a.threads, "quick": a.quick,
+                      "verifier": a.verifier, "draft": a.draft, "torch": torch.__version__,
+                      "date": time.strftime("%Y-%m-%d %H:%M")},
+           "verify_cost_ms": curve, "draft_step_ms": c_ms, "draft_cost_ratio_c": c_ms / curve[1]}
+    out |= tabulate(results, prompts, greedy_rows)
+    out["summary"] = summary(out)
+    out["config"]["wall_s"] = time.time() - t_begin  # the whole run, model loading included
+    md = write_results(out, Path(a.results_dir), a.name or ("quick" if a.quick else "default"), greedy_rows)
     print("\n".join(md))
     if a.out:
         Path(a.out).write_text(json.dumps(out["summary"], indent=1))
