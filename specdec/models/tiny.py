@@ -66,12 +66,22 @@ def tiny_tokenizer():
     return tok
 
 
+def _spec_opts(spec: str) -> dict[str, str]:
+    return dict(kv.split("=") for kv in spec.partition(":")[2].split(",") if kv)
+
+
+def spec_args(spec: str) -> ModelArgs:
+    """The ModelArgs a 'tiny[:opts]' spec builds (its seed and noise options aside)."""
+    opts = {k: v for k, v in _spec_opts(spec).items() if k not in ("seed", "noise", "draft_seed")}
+    return tiny_args(**{k: int(v) for k, v in opts.items()})
+
+
 def build_from_spec(spec: str) -> Transformer:
     """'tiny' or 'tiny:seed=0,noise=0.3,n_layers=1'. With noise, a noisy copy of the target that
     the same spec without noise builds (so 'tiny:noise=0.3' is a draft for 'tiny')."""
-    opts = dict(kv.split("=") for kv in spec.partition(":")[2].split(",") if kv)
-    seed = int(opts.pop("seed", 0))
-    noise = float(opts.pop("noise", 0.0))
-    draft_seed = int(opts.pop("draft_seed", 1))
-    target = build_tiny(tiny_args(**{k: int(v) for k, v in opts.items()}), seed)
+    opts = _spec_opts(spec)
+    seed = int(opts.get("seed", 0))
+    noise = float(opts.get("noise", 0.0))
+    draft_seed = int(opts.get("draft_seed", 1))
+    target = build_tiny(spec_args(spec), seed)
     return noisy_copy(target, noise, draft_seed) if noise > 0 else target

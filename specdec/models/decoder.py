@@ -1,0 +1,116 @@
+"""Decoder: the model interface the runner, the verifier and the draft head use, shared by every family.
+
+Why our own forward rather than HF's: HF runs one sequence at a time with a growing cache, while
+verification needs a *ragged* batch (each sequence at its own position, each with its own number of
+new tokens) written into a preallocated slot cache, and a cheap way to drop rejected positions (we
+just overwrite them next round). Fewer, fused matmuls also cut the per-op overhead that dominates a
+1-token step on a small CPU.
+
+The interface: `forward(tokens, batch, caches)` -> pre-norm hidden states; `logits(hidden)`; `args`
+(a ModelArgs); `embed`, `norm` and `lm_head` (the draft head reads them); `load_hf_state_dict`. A
+family subclasses it with its block class (`block_cls`) and its config reading (`hf_args`).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from specdec.models.args import ModelArgs
+from specdec.models.layers import BatchIndex, DecoderBlock, LayerKV, Linear, RMSNorm
+from specdec.models.rope import rope_table
+
+# On Hopper and newer, torch sends attention with a mask to cuDNN first, which builds a plan for
+# every new shape (20-40 ms each on the lent H200); decoding meets a new context length every step
+# and a new (batch, tokens) shape with every K, so those plans were most of a round's time there.
+_NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+ROPE_ROWS = 8192  # positions a rotary table first holds; it doubles when a sequence goes further
+
+
+class Decoder(nn.Module):
+    block_cls: type[DecoderBlock]  # each family sets its own
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.args = a
+        self.embed = nn.Embedding(a.vocab_size, a.dim)
+        self.layers = nn.ModuleList(self.block_cls(a, i) for i in range(a.n_layers))
+        self.norm = RMSNorm(a.dim, a.norm_eps)
+        self.lm_head = Linear(a.dim, a.vocab_size, bias=False)
+        self._rope_cache: dict[str, tuple[Tensor, Tensor]] = {}
+        self._rope_kinds = sorted({a.rope_kind(i) for i in range(a.n_layers)})
+        self.logits_size = a.vocab_size  # see pad_vocab
+
+    @classmethod
+    def hf_args(cls, cfg) -> ModelArgs:
+        """ModelArgs from a transformers config of this family."""
+        return ModelArgs.from_hf(cfg)
+
+    def rope_tables(self, kind: str, n: int, device, dtype) -> tuple[Tensor, Tensor]:
+        """cos/sin [>= n, head_dim] for the "global" or "local" layers, built on first need."""
+        cached = self._rope_cache.get(kind)
+        if cached is None or len(cached[0]) < n or cached[0].device != torch.device(device) or cached[0].dtype != dtype:
+            have = len(cached[0]) if cached is not None else 0
+            rows = max(n, min(self.args.max_position, max(ROPE_ROWS, 2 * have)))
+            cos, sin = rope_table(self.args.rope_params(kind), self.args.head_dim, rows)
+            self._rope_cache[kind] = (cos.to(device, dtype), sin.to(device, dtype))
+        return self._rope_cache[kind]
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        if self.args.embed_scale != 1.0:  # Gemma: the scale rounded to the weights' dtype, as HF does
+            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
+        return x
+
+    def forward(self, tokens: Tensor, batch: BatchIndex, caches: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """tokens: [B, T] padded; returns the last layer's hidden states [B, T, dim], before the
+        final norm (EAGLE-style draft heads read these features). No LM head here: the caller
+        picks the rows it needs first, because the LM head is the most expensive matmul."""
+        B, T = tokens.shape
+        rows = batch.rows
+        x = self.embed_tokens(tokens if rows is None else tokens.reshape(-1).index_select(0, rows))  # [B, T, dim] or [N, dim]
+        rope = {}
+        for kind in self._rope_kinds:
+            cos_t, sin_t = self.rope_tables(kind, batch.ctx, x.device, x.dtype)
+            rope[kind] = (cos_t[batch.rope_pos].unsqueeze(2), sin_t[batch.rope_pos].unsqueeze(2))  # [B, T, 1, hd]
+        with sdpa_kernel(_NOT_CUDNN) if x.is_cuda else contextlib.nullcontext():
+            for layer, (kc, vc) in zip(self.layers, caches):
+                cos, sin = rope[layer.rope_kind]
+                x = layer(x, cos, sin, LayerKV(kc, vc, batch), batch.mask_for(layer.window), rows)
+        if rows is not None:  # back to [B, T, dim], padding as zeros
+            x = x.new_zeros(B * T, x.shape[-1]).index_copy_(0, rows, x).view(B, T, -1)
+        return x
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Final norm and LM head over pre-norm hidden states [..., dim] -> [..., V] fp32."""
+        y = self.lm_head(self.norm(hidden)).float()
+        cap = self.args.final_softcap
+        if cap is not None:
+            y = torch.tanh(y / cap) * cap
+        extra = self.logits_size - y.shape[-1]
+        return y if extra <= 0 else torch.nn.functional.pad(y, (0, extra), value=float("-inf"))
+
+    def pad_vocab(self, size: int) -> None:
+        """Return logits over `size` ids (a draft for a verifier with a wider LM head); the ids past
+        our vocabulary get -inf."""
+        self.logits_size = size
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, sd: dict[str, Tensor]) -> None:
+        """Copy weights from an HF state dict of this family (q/k/v and gate/up fused here)."""
+        a = self.args
+
+        def g(name: str) -> Tensor:
+            if name not in sd:
+                raise KeyError(f"the checkpoint has no {name!r} ({type(self).__name__} expects it)")
+            return sd[name]
+
+        self.embed.weight.copy_(g("model.embed_tokens.weight"))
+        self.norm.weight.copy_(a.norm_weight(g("model.norm.weight")))
+        head = sd.get("lm_head.weight")
+        self.lm_head.weight_t.copy_((head if head is not None and not a.tie_embeddings
+                                     else g("model.embed_tokens.weight")).t())
+        for i, blk in enumerate(self.layers):
+            blk.load_hf(g, f"model.layers.{i}.")

@@ -1,0 +1,232 @@
+"""The pieces every model family's forward is built from: matmuls with per-row-count kernels, RMSNorm,
+rotary embedding, attention over the slot cache of a ragged batch, and the decoder block's shared
+attention and gated-MLP halves. Family modules (llama.py, qwen3.py, gemma.py, ...) only arrange them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdec.models.args import ModelArgs
+
+DNN_ROWS_HINT = 8  # the row count oneDNN lays a packed weight out for (it serves every count)
+
+
+def dnn_pack(weight: Tensor) -> Tensor:
+    """weight [out, in] re-laid-out by oneDNN for few-row matmuls (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), DNN_ROWS_HINT)
+
+
+class Linear(nn.Module):
+    """y = x W^T + b with W stored transposed, [in, out] contiguous, plus (after `set_kernels`)
+    an [out, in] copy and MKL-packed copies for the row counts where those kernels are faster.
+
+    Why: the matmuls are nearly all of what a (K+1)-token verify pass costs over a 1-token one,
+    and which few-row CPU kernel streams the weights fastest depends on the machine's BLAS.
+    Measured here (49152-wide LM head, cold cache): x @ W_t 3.7 ms at 1 row but 14 ms at 2-5
+    rows; nn.Linear's layout 6.4 ms at 2 rows, 11.6 ms at 5; MKL's packed GEMM, whose weight
+    is re-laid-out once for one exact row count, 6.9 ms at 5 rows and 7.9 ms at 9. On an AMD EPYC
+    (AVX2, no AVX-512; session 15) MKL is the slow one: 52-60 ms at 4 rows and 65-110 at 16 by
+    every MKL kernel, where oneDNN's packed weight, one copy serving any row count, takes 11 and
+    29 ms. `models.layouts` times them all."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool = False):
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(d_in, d_out))
+        self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+        self._w: Tensor | None = None  # [out, in] copy, or None when x @ W_t always wins
+        # by input rows: "t" x @ W_t, "w" F.linear, "p" MKL-packed, "d" oneDNN-packed (last: more rows)
+        self._kernels = ""
+        self._packed: dict[int, Tensor] = {}  # rows -> MKL-packed weight for exactly that many
+        self._dnn: Tensor | None = None  # oneDNN-packed weight: one copy for every row count
+
+    @property
+    def weight(self) -> Tensor:
+        """[out, in] view, as nn.Linear names it."""
+        return self.weight_t.t()
+
+    def set_kernels(self, kernels: str) -> None:
+        """kernels[rows] for rows = 0 .. n; the last entry, never "p", serves more rows."""
+        assert not kernels or kernels[-1] != "p", "packed weights serve one exact row count"
+        self._kernels = kernels if kernels.strip("t") else ""
+        self._w = self.weight_t.detach().t().contiguous() if self._kernels.strip("td") else None
+        self._packed = {m: torch.ops.mkl._mkl_reorder_linear_weight(self._w, m)
+                        for m, k in enumerate(self._kernels) if k == "p"}
+        self._dnn = dnn_pack(self.weight_t.detach().t()) if "d" in self._kernels else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self._kernels:
+            rows = x.numel() // x.shape[-1]
+            kind = self._kernels[min(rows, len(self._kernels) - 1)]
+            if kind == "p":
+                return torch.ops.mkl._mkl_linear(x.contiguous(), self._packed[rows], self._w, self.bias, rows)
+            if kind == "d":
+                return torch.ops.mkldnn._linear_pointwise(x, self._dnn, self.bias, "none", [], "")
+            if kind == "w":
+                return F.linear(x, self._w, self.bias)
+        y = x @ self.weight_t
+        return y + self.bias if self.bias is not None else y
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * w. Gemma's (1 + w) norms load as w' = 1 + w, so one module serves every family
+    (and the draft head, which reads the final norm's weight, sees the effective scale)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """HF's non-interleaved rotary embedding. x: [B, T, H, hd]; cos/sin: [B, T, 1, hd]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float | None,
+              softcap: float | None) -> Tensor:
+    """q [B, H, T, hd], keys/values [B, Hkv, ctx, hd] (GQA), mask [B, 1, T, ctx] bool -> [B, H, T, hd].
+    Logit soft-capping (Gemma 2) needs the scores themselves, which SDPA never shows: then the
+    scores are computed here, as HF's eager attention does."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    rep = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+    scores = (q @ keys.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
+
+
+class LayerKV:
+    """One layer's view of the slot cache for the current forward pass."""
+
+    def __init__(self, k_cache: Tensor, v_cache: Tensor, batch: "BatchIndex"):
+        self.k_cache, self.v_cache, self.batch = k_cache, v_cache, batch
+
+    def write_and_read(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        b = self.batch
+        # k, v: [B, T, Hkv, hd] written at (slot, position); padded rows go to the trash position
+        self.k_cache[b.slot_index, :, b.write_pos] = k
+        self.v_cache[b.slot_index, :, b.write_pos] = v
+        if b.slot_range is not None:  # contiguous slots: a view, no copy
+            s0, s1 = b.slot_range
+            return self.k_cache[s0:s1, :, : b.ctx], self.v_cache[s0:s1, :, : b.ctx]
+        return self.k_cache[b.slots, :, : b.ctx], self.v_cache[b.slots, :, : b.ctx]
+
+
+class BatchIndex:
+    """Where each row of a ragged batch lives in the slot cache."""
+
+    def __init__(self, slots: list[int], start_pos: list[int], lengths: list[int], trash_pos: int, device):
+        B, T = len(slots), max(lengths)
+        pos = torch.arange(T).unsqueeze(0) + torch.tensor(start_pos).unsqueeze(1)  # [B, T]
+        valid = torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)  # [B, T]
+        self.rope_pos = torch.where(valid, pos, 0).to(device)
+        self.write_pos = torch.where(valid, pos, trash_pos).to(device)
+        self.slots = torch.tensor(slots, device=device)
+        self.slot_index = self.slots.unsqueeze(1)  # [B, 1], broadcasts against write_pos
+        self.ctx = max(s + n for s, n in zip(start_pos, lengths))
+        s0 = slots[0]
+        self.slot_range = (s0, s0 + B) if slots == list(range(s0, s0 + B)) else None
+        if B == 1 and T == 1:
+            self.mask = None  # one query attends to the whole context: no mask needed
+        else:  # query at position p sees keys 0..p; padded queries see key 0 only (kept finite)
+            keys = torch.arange(self.ctx, device=device)
+            self.mask = (keys.view(1, 1, -1) <= self.rope_pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, ctx]
+        self._window_masks: dict[int, Tensor] = {}
+        self.valid = valid.to(device)
+        # the real tokens' places in the flattened [B * T] batch, when some rows are padding: a
+        # round where a few sequences of a big batch verify K drafts and the rest one token would
+        # otherwise run every matmul over B * (K + 1) rows (4x the work at 16 sequences and K = 3)
+        self.rows = None if bool(valid.all()) else valid.flatten().nonzero().squeeze(1).to(device)
+
+    def mask_for(self, window: int | None) -> Tensor | None:
+        """The mask of a layer that sees only the last `window` positions (HF: key > query - window).
+        The cache keeps every position; a sliding layer just masks out the old ones."""
+        if window is None or self.ctx <= window:  # every key a query may see is inside its window
+            return self.mask
+        if window not in self._window_masks:
+            keys = torch.arange(self.ctx, device=self.rope_pos.device).view(1, 1, -1)
+            pos = self.rope_pos.unsqueeze(-1)  # [B, T, 1]
+            self._window_masks[window] = ((keys <= pos) & (keys > pos - window)).unsqueeze(1)
+        return self._window_masks[window]
+
+
+def gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh, "gelu": F.gelu}  # by ModelArgs.act
+
+
+class DecoderBlock(nn.Module):
+    """What every family's block shares: fused q/k/v and gate/up matmuls (half the kernel launches
+    of HF's layout), optional per-head q/k norms, attention over the slot cache, the gated MLP.
+    Subclasses place the norms and residuals."""
+
+    def __init__(self, a: ModelArgs, layer: int):
+        super().__init__()
+        self.a = a
+        hd = a.head_dim
+        self.window = a.window(layer)  # None: attends to every position
+        self.rope_kind = a.rope_kind(layer)  # which rotary table it reads (Gemma 3's sliding layers: "local")
+        self.wqkv = Linear(a.dim, (a.n_heads + 2 * a.n_kv_heads) * hd, bias=a.attention_bias)
+        self.wo = Linear(a.n_heads * hd, a.dim, bias=a.out_bias)
+        self.w13 = Linear(a.dim, 2 * a.intermediate_size, bias=a.mlp_bias)
+        self.w2 = Linear(a.intermediate_size, a.dim, bias=a.mlp_bias)
+        self.q_norm = RMSNorm(hd, a.norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(hd, a.norm_eps) if a.qk_norm else None
+        self.act = ACTIVATIONS[a.act]
+
+    def attend(self, h: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV, mask: Tensor | None,
+               rows: Tensor | None) -> Tensor:
+        """Attention over normed inputs h: [B, T, dim]; or, for a ragged batch, only its real tokens
+        [N, dim] with `rows` their places in the flattened [B * T] (see BatchIndex.rows): the
+        matmuls then skip the padding and only attention, which is per sequence, sees [B, T]."""
+        a = self.a
+        B, T = cos.shape[:2]
+        hd = a.head_dim
+        qkv = self.wqkv(h)  # [B, T, (H + 2Hkv) * hd], or [N, ...]
+        if rows is not None:  # padded rows get zeros: their keys/values go to the trash position
+            qkv = qkv.new_zeros(B * T, qkv.shape[-1]).index_copy_(0, rows, qkv).view(B, T, -1)
+        q, k, v = qkv.split([a.n_heads * hd, a.n_kv_heads * hd, a.n_kv_heads * hd], dim=-1)
+        q, k = q.view(B, T, a.n_heads, hd), k.view(B, T, a.n_kv_heads, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, H, T, hd]
+        keys, values = kv.write_and_read(apply_rope(k, cos, sin), v.view(B, T, a.n_kv_heads, hd))
+        y = attention(q, keys, values, mask, a.attn_scale, a.attn_softcap)
+        y = y.transpose(1, 2).reshape(B, T, a.n_heads * hd)
+        if rows is not None:
+            y = y.reshape(B * T, -1).index_select(0, rows)  # [N, H * hd]
+        return self.wo(y)
+
+    def mlp(self, h: Tensor) -> Tensor:
+        gate, up = self.w13(h).chunk(2, dim=-1)
+        return self.w2(self.act(gate) * up)
+
+    @torch.no_grad()
+    def load_hf(self, g, p: str) -> None:
+        """Attention and MLP weights from HF names under prefix p; g(name) returns a tensor."""
+        a = self.a
+        self.wqkv.weight_t.copy_(torch.cat([g(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).t())
+        if a.attention_bias:
+            self.wqkv.bias.copy_(torch.cat([g(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+        self.wo.weight_t.copy_(g(p + "self_attn.o_proj.weight").t())
+        if a.out_bias:
+            self.wo.bias.copy_(g(p + "self_attn.o_proj.bias"))
+        self.w13.weight_t.copy_(torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")]).t())
+        self.w2.weight_t.copy_(g(p + "mlp.down_proj.weight").t())
+        if a.mlp_bias:
+            self.w13.bias.copy_(torch.cat([g(p + "mlp.gate_proj.bias"), g(p + "mlp.up_proj.bias")]))
+            self.w2.bias.copy_(g(p + "mlp.down_proj.bias"))
+        if self.q_norm is not None:
+            self.q_norm.weight.copy_(a.norm_weight(g(p + "self_attn.q_norm.weight")))
+            self.k_norm.weight.copy_(a.norm_weight(g(p + "self_attn.k_norm.weight")))
