@@ -54,7 +54,11 @@ def build_proposer(spec: str, cfg: EngineConfig, verifier_model=None) -> Propose
         # the head reuses the verifier's embedding, final norm and LM head rows
         verifier_model = verifier_model or load_model(cfg.verifier, cfg.device, cfg.dtype, cfg.progress)
         return FeatureHeadProposer.from_pretrained(None if spec == "default" else spec, verifier_model)
+    from specdec.models.pairing import check_pair
+
+    vocab = check_pair(spec, cfg.verifier, cfg.progress)  # the verifier's tokenizer, or a clear error
     model = load_model(spec, cfg.device, cfg.dtype, cfg.progress)
+    model.pad_vocab(vocab)
     return DraftModelProposer(ModelRunner(model, cfg.max_seqs, cfg.max_model_len, prefix_caching=cfg.prefix_caching))
 
 

@@ -59,6 +59,8 @@ class Decoder(nn.Module):
         return self._rope_cache[kind]
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
+        if self.logits_size > self.args.vocab_size:  # a padded draft reads ids of its verifier's padding rows too
+            tokens = tokens.clamp(max=self.args.vocab_size - 1)
         x = self.embed(tokens)
         if self.args.embed_scale != 1.0:  # Gemma: the scale rounded to the weights' dtype, as HF does
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
@@ -93,9 +95,9 @@ class Decoder(nn.Module):
         return y if extra <= 0 else torch.nn.functional.pad(y, (0, extra), value=float("-inf"))
 
     def pad_vocab(self, size: int) -> None:
-        """Return logits over `size` ids (a draft for a verifier with a wider LM head); the ids past
-        our vocabulary get -inf."""
-        self.logits_size = size
+        """Return logits over `size` ids when that is more than ours (a draft for a verifier with a
+        wider LM head); the ids past our vocabulary get -inf, and read as our last one when fed."""
+        self.logits_size = max(size, self.args.vocab_size)
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, Tensor]) -> None:

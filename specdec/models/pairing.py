@@ -6,10 +6,6 @@ than decoding garbage: drafts would simply all be rejected, or index past the ve
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from specdec.models.decoder import Decoder
 
 # strings whose token ids must agree: words, code, digits, whitespace runs, non-Latin text, emoji
 SAMPLES = [
@@ -49,18 +45,17 @@ def vocab_size(spec: str, progress: bool = True) -> int:
     return int(json.loads((d / "config.json").read_text())["vocab_size"])
 
 
-def fit_draft(model: "Decoder", draft: str, verifier: str, progress: bool = True) -> "Decoder":
-    """Refuse a draft whose tokenizer differs from the verifier's; pad its logits to the verifier's
-    vocabulary when its own is smaller (Qwen2.5's small models have fewer padding rows than its
-    large ones: the same tokenizer, a narrower LM head)."""
+def check_pair(draft: str, verifier: str, progress: bool = True) -> int:
+    """Refuse a draft whose tokenizer differs from the verifier's, before its weights load; returns
+    the verifier's vocabulary size, to pad the draft's logits to (Qwen2.5's small models have fewer
+    padding rows than its large ones: the same tokenizer, a narrower LM head)."""
+    v = vocab_size(verifier, progress)
     if draft == verifier:
-        return model
+        return v
     from specdec.models.loader import load_tokenizer
 
     check_tokenizers_agree(load_tokenizer(draft, progress), load_tokenizer(verifier, progress), draft, verifier)
-    v, vd = vocab_size(verifier, progress), model.args.vocab_size
+    vd = vocab_size(draft, progress)
     if vd > v:
         raise IncompatiblePairError(f"draft {draft!r} has {vd} logits, more than verifier {verifier!r}'s {v}")
-    model.pad_vocab(v)
-    return model
-
+    return v
