@@ -40,6 +40,7 @@ class Linear(nn.Module):
         self._kernels = ""
         self._packed: dict[int, Tensor] = {}  # rows -> MKL-packed weight for exactly that many
         self._dnn: Tensor | None = None  # oneDNN-packed weight: one copy for every row count
+        self._int4: tuple[Tensor, Tensor] | None = None  # (packed weight, scales and zeros): see models.quant
 
     @property
     def weight(self) -> Tensor:
@@ -55,7 +56,23 @@ class Linear(nn.Module):
                         for m, k in enumerate(self._kernels) if k == "p"}
         self._dnn = dnn_pack(self.weight_t.detach().t()) if "d" in self._kernels else None
 
+    def quantize_int4(self) -> None:
+        """From now on multiply by the weight quantised to int4 (one kernel for every row count)."""
+        from specdec.models import quant
+
+        self._int4 = quant.quantize(self.weight_t.detach().t())
+        self._kernels = ""
+
+    @property
+    def quantized(self) -> bool:
+        return self._int4 is not None
+
     def forward(self, x: Tensor) -> Tensor:
+        if self._int4 is not None:
+            from specdec.models.quant import matmul
+
+            y = matmul(x, *self._int4)
+            return y + self.bias if self.bias is not None else y
         if self._kernels:
             rows = x.numel() // x.shape[-1]
             kind = self._kernels[min(rows, len(self._kernels) - 1)]

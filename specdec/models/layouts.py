@@ -193,6 +193,8 @@ def maybe_tune(model: torch.nn.Module, min_params: int = 10_000_000) -> dict:
         return {}
     if sum(x.numel() for x in model.parameters()) < min_params:
         return {}
+    if any(getattr(m, "quantized", False) for m in model.modules()):
+        return {}  # int4 has one kernel for every row count (models.quant)
     from specdec.models.default import specdec_home
 
     cache = specdec_home() / "layouts.json"

@@ -19,7 +19,8 @@ from specdec.models.phi3 import Phi3
 from specdec.models.qwen import Qwen2, Qwen3
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+          "float16": torch.float16, "fp16": torch.float16,
+          "int4": torch.bfloat16}  # int4: weight-only int4 with bfloat16 activations (models.quant)
 # model_type -> our forward for it
 FAMILIES: dict[str, type[Decoder]] = {
     "llama": Transformer, "mistral": Transformer, "qwen2": Qwen2, "qwen3": Qwen3,
@@ -94,7 +95,17 @@ def read_model_type(d: Path) -> str | None:
 
 
 def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float32", progress: bool = True) -> Decoder:
-    device, dtype = resolve_device(device), resolve_dtype(dtype)
+    model = _load_model(spec, resolve_device(device), resolve_dtype(dtype), progress)
+    if dtype == "int4":
+        if next(model.parameters()).device.type != "cpu":
+            raise ValueError("dtype 'int4' runs on torch's CPU int4 kernel; on a GPU use 'bfloat16'")
+        from specdec.models.quant import quantize_model
+
+        quantize_model(model)
+    return model
+
+
+def _load_model(spec: str, device: torch.device, dtype: torch.dtype, progress: bool) -> Decoder:
     d = model_dir(spec, progress)
     if d is None:
         from specdec.models.tiny import build_from_spec

@@ -1,0 +1,60 @@
+"""Weight-only int4 (gpt-fast's int4 path), on torch's own CPU kernel: a 1-token pass reads its
+weights once, so bytes per weight set its speed, and the default verifier ships as a 4-bit GGUF
+(Q4_1: per 32 weights a scale d and a minimum m, w = d q + m, q in 0..15) anyway.
+
+Weights are quantised the way Q4_1 stores them, asymmetric per group of 32 along the input: a
+de-quantised Q4_1 group has its minimum at q = 0 and its maximum at q = 15, so re-quantising it
+finds the same q, d and m; the kernel keeps d and m + 8 d (its zero point) in bfloat16, the
+activations' dtype. torch's kernel computes each row of a matmul on its own (a row's result does
+not depend on how many rows share the call: checked in tests/test_quant.py), which is what keeps
+speculative greedy output equal to plain greedy output in this precision. With float32
+activations the kernel has no fast path (5-40x slower than float32 F.linear here), so int4 runs
+with bfloat16 activations."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+GROUP = 32  # weights per scale and zero point, as in GGUF's Q4_1
+ACT_DTYPE = torch.bfloat16  # activations (and the KV cache) of an int4 model
+
+
+def available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def quantize(weight: Tensor, group: int = GROUP) -> tuple[Tensor, Tensor]:
+    """weight [out, in] -> (int4-packed weight, scales and zero points [in / group, out, 2])."""
+    n, k = weight.shape
+    if k % group:
+        raise ValueError(f"int4 needs input widths divisible by {group}; this weight is [{n}, {k}]")
+    w = weight.detach().float().reshape(n, k // group, group)
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(min=1e-10)  # a constant group: any scale, q = 0
+    q = ((w - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    # the kernel de-quantises as (q - 8) * scale + zero
+    sz = torch.stack([scale.squeeze(-1).t(), (lo + 8 * scale).squeeze(-1).t()], dim=-1)
+    return packed, sz.contiguous().to(ACT_DTYPE)
+
+
+def matmul(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int = GROUP) -> Tensor:
+    """x [..., in] (bfloat16) times the quantised weight's transpose -> [..., out]."""
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).contiguous(), packed, group,
+                                                   scales_zeros)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def quantize_model(model: torch.nn.Module) -> int:
+    """Quantise every Linear of the model in place (the embedding stays bfloat16); returns how many."""
+    from specdec.models.layers import Linear
+
+    if not available():
+        raise RuntimeError("dtype 'int4' needs torch's CPU int4 kernel (_weight_int4pack_mm_for_cpu), "
+                           "which this torch build lacks")
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.quantize_int4()
+            n += 1
+    return n

@@ -1,0 +1,61 @@
+"""Weight-only int4 (specdec/models/quant.py): the shipped Q4_1-style weights survive quantisation,
+a row's result does not depend on the rows beside it, and so speculative greedy output equals
+plain greedy output in int4, at batch 1 and in a ragged batch."""
+import pytest
+import torch
+
+from conftest import make_engine, ragged_prompts
+from specdec.models import quant
+from specdec.models.tiny import build_tiny, noisy_copy, tiny_args
+from specdec.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not quant.available(), reason="torch lacks its CPU int4 kernel")
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+def q4_1_like(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """A weight as a de-quantised Q4_1 tensor is: per 32 inputs w = d q + m, q in 0..15 (0 and 15 used)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    d = torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-3
+    m = -8 * d + torch.randn(n, k // 32, 1, generator=g) * 1e-3
+    return (d * q + m).reshape(n, k)
+
+
+def test_q4_1_weights_round_trip_to_the_kernel_within_bfloat16_scales():
+    w = q4_1_like(96, 128)
+    packed, sz = quant.quantize(w)
+    x = torch.randn(3, 128).bfloat16()
+    want = x.float() @ w.t()
+    got = quant.matmul(x, packed, sz).float()
+    assert torch.allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (576, 128), (320, 64)])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(shape):
+    packed, sz = quant.quantize(torch.randn(*shape))
+    x = torch.randn(17, shape[1]).bfloat16()
+    alone = torch.cat([quant.matmul(x[i : i + 1], packed, sz) for i in range(17)])
+    for m in (2, 5, 9, 17):
+        assert torch.equal(quant.matmul(x[:m], packed, sz), alone[:m])
+
+
+@pytest.fixture(scope="module")
+def int4_target():
+    base = build_tiny(tiny_args(vocab_size=320), seed=0)  # widths divisible by the kernel's tiles
+    draft = noisy_copy(base, 0.3).to(quant.ACT_DTYPE)
+    target = base.to(quant.ACT_DTYPE)
+    quant.quantize_model(target)
+    return target, draft
+
+
+def test_int4_speculative_greedy_equals_int4_plain_greedy(int4_target):
+    target, draft = int4_target
+    prompts = ragged_prompts()
+    plain = [c.token_ids for c in make_engine(target, k=0).generate(prompts, GREEDY)]
+    for p, want in zip(prompts[:3], plain):  # batch 1
+        assert make_engine(target, draft, k=4).generate([p], GREEDY)[0].token_ids == want
+    outs = make_engine(target, draft, k=4).generate(prompts, GREEDY)  # one ragged batch
+    assert [o.token_ids for o in outs] == plain
+    assert 0 < sum(o.metrics.num_accepted for o in outs) < sum(o.metrics.num_drafted for o in outs)
