@@ -14,7 +14,8 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -23,31 +24,125 @@ from specdec.sequence import Sequence
 
 from deployments.config import AppArgs
 from deployments.driver import Entry, RoundLoop
-from deployments.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs,
-                                         completion_logprobs, new_id, now)
+from deployments.metrics import RequestTracker, ServeMetrics
+from deployments.openai_protocol import (CHAT_RESPONSES, COMPLETION_RESPONSES, STREAM_MODELS, APIError,
+                                         ChatCompletionRequest, CompletionRequest, Health, ModelList, chat_logprobs,
+                                         check_text, completion_logprobs, error_responses, new_id, now)
 
 log = logging.getLogger("ray.serve")
 app = FastAPI(title="specdec", description="Speculative decoding with an OpenAI-compatible API")
 
 
+def _error(request: Request, err: APIError) -> Response:
+    """Every error response goes out here: counted, and server errors logged with the request id."""
+    if ServeMetrics.current is not None:
+        ServeMetrics.current.observe_error(err.status, err.code)
+    if err.status >= 500:
+        log.warning("request %s failed: %s %s", _request_id(request), err.status, err.message)
+    return err.response()
+
+
 @app.exception_handler(APIError)
-async def _api_error(_, exc: APIError):
-    return exc.response()
+async def _api_error(request: Request, exc: APIError):
+    return _error(request, exc)
+
+
+# pydantic names union members and wrappers in an error's location (prompt.list[int].0,
+# messages.0.content.str): they are not fields, so the path the client wrote stops before them
+_NOT_FIELDS = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "function-before"}
+
+
+def _field_path(loc) -> str | None:
+    path = []
+    for x in loc[1:] if loc and loc[0] == "body" else ():
+        if isinstance(x, str) and (x in _NOT_FIELDS or not x.replace("_", "a").isalnum()):
+            break
+        path.append(str(x))
+    return ".".join(path) or None
 
 
 @app.exception_handler(RequestValidationError)
-async def _validation_error(_, exc: RequestValidationError):
-    # OpenAI answers malformed parameters with 400 and names the offending one
+async def _validation_error(request: Request, exc: RequestValidationError):
+    # OpenAI answers malformed parameters with 400 and names the offending one; a body that is not
+    # JSON names none (its error's location is a byte offset, no field)
     err = exc.errors()[0] if exc.errors() else {}
-    loc = [str(x) for x in err.get("loc", []) if x != "body"]
-    msg = f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid request')}"
-    return APIError(400, msg, param=".".join(loc) or None, code="invalid_value").response()
+    if err.get("type") == "json_invalid":
+        where = (err.get("ctx") or {}).get("error", "")
+        return _error(request, APIError(400, f"the body is not valid JSON: {where}".rstrip(": "), code="invalid_json"))
+    param = _field_path(err.get("loc", ()))
+    return _error(request, APIError(400, f"{param or 'body'}: {err.get('msg', 'invalid request')}", param=param,
+                                    code="invalid_value"))
 
 
 @app.exception_handler(StarletteHTTPException)
-async def _http_error(_, exc: StarletteHTTPException):
+async def _http_error(request: Request, exc: StarletteHTTPException):
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(exc.status_code, str(exc.detail), kind).response()
+    return _error(request, APIError(exc.status_code, str(exc.detail), kind, headers=exc.headers))
+
+
+def _request_id(request_or_scope) -> str:
+    scope = request_or_scope if isinstance(request_or_scope, dict) else request_or_scope.scope
+    return scope.get("state", {}).get("request_id", "-")
+
+
+class RequestIds:
+    """Gives every request an id (the x-request-id response header, and the log lines of its
+    errors), and turns an exception no handler took into an OpenAI-shaped 500: Starlette's own
+    answer is a plain-text "Internal Server Error"."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = new_id("req")
+        scope.setdefault("state", {})["request_id"] = rid
+        started = False
+
+        async def send_with_id(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception("request %s: unhandled error", rid)
+            if started:  # a stream already under way: it ends here (its generator reports its own errors)
+                return
+            if ServeMetrics.current is not None:
+                ServeMetrics.current.observe_error(500, "internal_error")
+            err = APIError(500, f"internal server error (request id {rid})", "server_error", code="internal_error")
+            await err.response()(scope, receive, send_with_id)
+
+
+app.add_middleware(RequestIds)
+
+
+def _openapi() -> dict:
+    """The schema as served, less the 422 FastAPI documents for every route with a body: this
+    server answers invalid parameters with OpenAI's 400 (ErrorResponse), documented per route."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        for model in STREAM_MODELS:
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+            for name, sub in js.pop("$defs", {}).items():
+                components.setdefault(name, sub)
+            components.setdefault(model.__name__, js)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+app.openapi = _openapi
 
 
 def load_api_keys(args: AppArgs) -> list[bytes]:
@@ -79,6 +174,7 @@ class Job:
     echo: str | None = None  # completions' echo: the prompt's text, returned before the output
     generate: bool = True  # False: max_tokens 0 with echo, the prompt is only returned (and scored)
     prompt_logprobs: list | None = None  # with echo and logprobs: [None] + the prompt's TokenLogprobs
+    tracker: RequestTracker | None = None  # its metrics, once admitted
 
 
 def _sse(obj: dict) -> str:
@@ -97,8 +193,6 @@ class OpenAIIngress:
         from specdec.models.loader import load_tokenizer
         from specdec.tokenizer import TextTokenizer
 
-        from deployments.metrics import ServeMetrics
-
         self.args = AppArgs(**args)
         self.tok = TextTokenizer(load_tokenizer(self.args.verifier, progress=False))
         self.keys = load_api_keys(self.args)
@@ -106,11 +200,13 @@ class OpenAIIngress:
         self.limit = parse(self.args.rate_limit) if self.args.rate_limit else None
         adaptive = AdaptiveK(k_max=self.args.max_speculative_tokens, **self.args.adaptive_options) \
             if self.args.adaptive else None
-        self.metrics = ServeMetrics()
+        self.metrics = ServeMetrics(self.args.model_name)
         self.loop = RoundLoop(drafter, verifier, self.args, adaptive, self.metrics.observe_call)
         self.has_drafter = drafter is not None
-        self.replicas = [h for h in (verifier, drafter) if h is not None]
-        self.ready_at = -1e9  # when the replicas last answered a readiness check
+        self.verifier, self.drafter = verifier, drafter
+        self.checked_at = -1e9  # when /health last asked the replicas
+        self.up = {"verifier": False, "drafter": False}  # what they answered then
+        self.stats_at = -1e9  # when /metrics last asked a Verifier replica for its cache figures
         self.created = now()
 
     # -- checks ------------------------------------------------------------------------------
@@ -140,14 +236,14 @@ class OpenAIIngress:
             raise APIError(404, f"model {model!r} does not exist; available: {self.args.model_name!r}",
                            "invalid_request_error", param="model", code="model_not_found")
 
-    def _sequence(self, req, prompt_ids: list[int], max_tokens: int | None):
+    def _sequence(self, req, prompt_ids: list[int], max_tokens: int | None, prompt_param: str):
         from specdec.sampling import SamplingParams
         from specdec.sequence import Sequence
 
         limit = self.args.max_model_len
         if len(prompt_ids) >= limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
-                           f"{len(prompt_ids)} tokens", param="messages", code="context_length_exceeded")
+                           f"{len(prompt_ids)} tokens", param=prompt_param, code="context_length_exceeded")
         room = limit - len(prompt_ids)
         if max_tokens is not None and max_tokens > room:
             raise APIError(400, f"max_tokens={max_tokens} exceeds the {room} tokens left in the {limit}-token "
@@ -171,28 +267,54 @@ class OpenAIIngress:
         return seq, (proposer if k > 0 else None)
 
     # -- routes ------------------------------------------------------------------------------
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": Health, "description": "Requests can be served"},
+                                   503: {"model": Health, "description": "No Verifier replica answers"},
+                                   **error_responses(500)})
     async def health(self):
-        # a replica that answered within the last few seconds is not asked again: a load
-        # balancer polling /health must not add calls to a 2-core machine's busy replicas
-        if time.monotonic() - self.ready_at > 5.0:
-            if not await replicas_answer(self.replicas, timeout_s=2.0):
-                return JSONResponse({"status": "starting", "in_flight": self.loop.in_flight}, status_code=503)
-            self.ready_at = time.monotonic()
-        return {"status": "ok", "in_flight": self.loop.in_flight}
+        """200 while requests can be served, which needs a Verifier: without a Drafter they are
+        served without drafts (K=0), and the body says so."""
+        # answers of the last few seconds stand: a load balancer polling /health must not add
+        # calls to a 2-core machine's busy replicas (while no Verifier answers, each poll asks again)
+        if time.monotonic() - self.checked_at > 5.0:
+            drafter = replicas_answer([self.drafter], 2.0) if self.drafter is not None else asyncio.sleep(0, False)
+            self.up["verifier"], self.up["drafter"] = await asyncio.gather(replicas_answer([self.verifier], 2.0), drafter)
+            self.checked_at = time.monotonic() if self.up["verifier"] else -1e9
+        ok = self.up["verifier"]
+        body = {"status": "ok" if ok else "starting", "verifier": "ok" if ok else "unavailable",
+                "drafter": "none" if self.drafter is None else "ok" if self.up["drafter"] else "unavailable",
+                "in_flight": self.loop.in_flight}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition (vLLM's metric names, `specdec:` prefix)"},
+                        **error_responses(500)})
     async def metrics(self):
-        self.metrics.in_flight.set(self.loop.in_flight)
+        sizes = [len(es) for es in self.loop.shards.values()]
+        batch = self.args.max_batch_size
+        self.metrics.set_queue(sum(min(n, batch) for n in sizes), sum(max(0, n - batch) for n in sizes))
+        await self._report_caches()
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    async def _report_caches(self) -> None:
+        """The KV-cache figures of the Verifier replica that answers (at most every 5 s, as /health)."""
+        if time.monotonic() - self.stats_at < 5.0:
+            return
+        self.stats_at = time.monotonic()
+        try:
+            s = await asyncio.wait_for(asyncio.ensure_future(self.verifier.stats.remote()), 1.0)
+        except Exception:  # busy or being replaced: its last figures stand
+            return
+        self.metrics.replicas.report(s["replica"], {"resident": len(s["resident_sequences"]),
+                                                    "max_seqs": self.args.max_seqs,
+                                                    "prefix_tokens_reused": s["prefix_tokens_reused"]})
+
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(401, 500)})
     async def models(self, request: Request):
         self._authorize(request)
         return {"object": "list", "data": [{"id": self.args.model_name, "object": "model", "created": self.created,
                                              "owned_by": "specdec", "max_model_len": self.args.max_model_len}]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=CHAT_RESPONSES)
     async def chat(self, body: ChatCompletionRequest, request: Request):
         who = self._authorize(request)
         self._check_model(body.model)
@@ -202,11 +324,11 @@ class OpenAIIngress:
             ids = self.tok.chat(messages)
         except Exception as exc:
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages")
-        seq, proposer = self._sequence(body, ids, body.max_completion_tokens or body.max_tokens)
+        seq, proposer = self._sequence(body, ids, body.max_completion_tokens or body.max_tokens, "messages")
         self._admit(who)
         return await self._respond(body, [Job(seq, proposer)], chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
     async def completions(self, body: CompletionRequest, request: Request):
         who = self._authorize(request)
         self._check_model(body.model)
@@ -221,24 +343,36 @@ class OpenAIIngress:
                            param="max_tokens")
         jobs = []
         for p in prompts:
-            ids = list(p) if isinstance(p, list) else self.tok.encode(p)
+            ids = list(p) if isinstance(p, list) else self._encode(p)
             if not ids:
                 raise APIError(400, "prompt is empty", param="prompt")
             if any(not isinstance(t, int) or not 0 <= t < len(self.tok.hf) for t in ids):
                 raise APIError(400, "prompt contains token ids outside the vocabulary", param="prompt")
-            seq, proposer = self._sequence(body, ids, body.max_tokens or None)
+            seq, proposer = self._sequence(body, ids, body.max_tokens or None, "prompt")
             echo = (p if isinstance(p, str) else self.tok.decode(ids)) if body.echo else None
             jobs.append(Job(seq, proposer, echo, generate=body.max_tokens != 0))
         self._admit(who, len(jobs))
         return await self._respond(body, jobs, chat=False)
 
+    def _encode(self, text: str) -> list[int]:
+        check_text(text, "prompt")
+        try:
+            return self.tok.encode(text)
+        except Exception as exc:  # the tokenizer's own refusal: this prompt's fault, not the server's
+            raise APIError(400, f"cannot tokenize the prompt: {exc}", param="prompt") from None
+
     # -- responses ---------------------------------------------------------------------------
     async def _respond(self, body, jobs: list[Job], chat: bool):
-        self.metrics.requests.inc(len(jobs))
         rid = new_id("chatcmpl" if chat else "cmpl")
+        for job in jobs:
+            job.tracker = self.metrics.track(job.seq)
         if body.stream:
             [job] = jobs
-            await self._score(job)  # before the stream starts, so that a failure is this response's status
+            try:
+                await self._score(job)  # before the stream starts, so that a failure is this response's status
+            except BaseException as exc:
+                job.tracker.end("abort" if isinstance(exc, asyncio.CancelledError) else "error")
+                raise
             entry = self.loop.submit(job.seq, job.proposer, self.args.request_timeout_s) if job.generate else None
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._stream(job, entry, rid, chat, include_usage), media_type="text/event-stream")
@@ -260,17 +394,23 @@ class OpenAIIngress:
 
     async def _run(self, job: Job) -> None:
         """Score the prompt if asked, then generate to the end."""
-        await self._score(job)
-        if not job.generate:
-            return
+        try:
+            await self._score(job)
+            if job.generate:
+                await self._generate(job)
+        except BaseException as exc:
+            job.tracker.end("abort" if isinstance(exc, asyncio.CancelledError) else "error")
+            raise
+        job.tracker.end(job.seq.finish_reason or "length")
+
+    async def _generate(self, job: Job) -> None:
         entry = self.loop.submit(job.seq, job.proposer, self.args.request_timeout_s)
         try:
             while not (await self.loop.next_delta(entry)).finished:
-                pass
+                job.tracker.update()
         except BaseException:
             self.loop.abort(entry)
             raise
-        self._record(job.seq)
 
     async def _score(self, job: Job) -> None:
         """An echoed prompt's logprobs, when the request asks for logprobs."""
@@ -297,6 +437,7 @@ class OpenAIIngress:
         obj = "chat.completion.chunk" if chat else "text_completion"
         pending: list = []  # (token id, logprob) of tokens whose text is not out yet (half a character, a possible stop)
         offset = 0  # output characters streamed before this chunk (completions' text_offset)
+        failed = None  # the APIError the stream ended with
 
         def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
             nonlocal offset
@@ -319,23 +460,31 @@ class OpenAIIngress:
             while entry is not None:
                 try:
                     d = await self.loop.next_delta(entry)
-                except APIError as err:
-                    yield _sse(err.body())
+                except Exception as exc:  # the status went out with the first chunk: the error is the last event
+                    failed = self._stream_error(exc, rid)
+                    yield _sse(failed.body())
                     break
+                job.tracker.update()
                 pending += [(t.token_id, t) for t in d.logprobs or []]
                 if d.text or d.finished:  # one chunk per accepted block
                     yield chunk(d.text, d.finish_reason if d.finished else None)
                 if d.finished:
-                    self._record(seq)
                     break
             if include_usage and (seq.finished or not job.generate):
                 yield _sse({"id": rid, "object": obj, "created": now(), "model": self.args.model_name, "choices": [],
                             "usage": self._usage([seq])})
             yield "data: [DONE]\n\n"
         finally:
-            if entry is not None and not seq.finished:  # the client disconnected mid-stream: free its caches now
+            if entry is not None and not seq.finished:  # failed, or the client left mid-stream: free its caches now
                 self.loop.abort(entry)
-                self.metrics.disconnects.inc()
+            job.tracker.end("error" if failed else seq.finish_reason or ("length" if not job.generate else "abort"))
+
+    def _stream_error(self, exc: Exception, rid: str) -> APIError:
+        if not isinstance(exc, APIError):
+            log.error("stream %s failed", rid, exc_info=exc)
+            exc = APIError(500, f"internal server error ({rid})", "server_error", code="internal_error")
+        self.metrics.observe_error(exc.status, exc.code)
+        return exc
 
     @staticmethod
     def _pairs(job: Job, prompt: bool = True, output: bool = True) -> list | None:
@@ -357,10 +506,6 @@ class OpenAIIngress:
         prompt, out = sum(len(s.prompt_ids) for s in seqs), sum(len(s.output_ids) for s in seqs)
         spec = seqs[0].metrics.to_dict() if len(seqs) == 1 else aggregate([s.metrics for s in seqs])
         return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out, "speculative": spec}
-
-    def _record(self, seq) -> None:
-        m = seq.metrics
-        self.metrics.observe(m.num_output_tokens, m.num_drafted, m.num_accepted, m.latency_s, m.ttft_s)
 
     # -- for tests and operators -------------------------------------------------------------
     async def loop_stats(self) -> dict:

@@ -320,10 +320,10 @@ def test_metrics_and_health(server, client):
     assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
     client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0)
     text = httpx.get(server["url"] + "/metrics").text
-    assert "specdec_requests_total" in text and "specdec_accepted_tokens_total" in text
+    assert "specdec:prompt_tokens_total" in text and "specdec:spec_decode_num_accepted_tokens_total" in text
     # a speculative round's calls, as the ingress saw them
-    assert 'specdec_replica_call_seconds_count{deployment="Verifier"}' in text
-    assert 'specdec_replica_call_seconds_count{deployment="Drafter"}' in text
+    assert 'specdec:replica_call_seconds_count{deployment="Verifier"}' in text
+    assert 'specdec:replica_call_seconds_count{deployment="Drafter"}' in text
     # replica stats let an operator see how busy the model calls keep the cores
     assert {"busy_s", "cpu_s"} <= set(server["drafter"].stats.remote().result())
     r = httpx.get(server["url"] + "/v1/nope")
