@@ -32,23 +32,58 @@ COSTS = {
     # compute per sequence-step
     "cpu": (lambda b, t: 0.05 + 0.004 * t, lambda b, k: 0.015 + 0.004 * b * k),
 }
-# Serve on this CPU (session 17's traces, SmolLM2): rounds without drafts are 4-step calls whose
+# Serve on this CPU (its round traces, SmolLM2): rounds without drafts are 4-step calls whose
 # passes cost less than a one-pass call (the call's overhead is shared), so this model also gives
 # a plain pass's cost, paid 4 times a call
 SERVE_CPU = (lambda b, t: 0.042 + 0.003 * t, lambda b, k: 0.012 + 0.0015 * b * k, lambda b: 0.043 + 0.003 * b, 4)
 MULTI_STEP = {"serve-cpu": SERVE_CPU}
 
 
+def round_seconds(ak: AdaptiveK, live: list[dict], model: tuple, rng: random.Random,
+                  first_bonus: float) -> tuple[float, int, bool]:
+    """One round for the live sequences as adaptive K chooses it: (seconds, tokens emitted,
+    whether it drafted). A round without drafts is one multi-step plain call where the cost
+    model has one; otherwise one verifier pass, plus a draft call if anything drafts."""
+    verify_s, draft_s, plain_s, steps = model
+    ks = ak.choose([ak.acceptance(s["acc"], s["dr"]) for s in live], [min(8, s["left"] - 1) for s in live],
+                   new=[s["dr"] == 0 for s in live])
+    b, n_tok = len(live), len(live) + sum(ks)
+    if plain_s is not None and not any(ks):
+        n_steps = min(steps, max(s["left"] for s in live))
+        ak.observe_verify(b, b, plain_s(b), steps=n_steps)
+        emitted = 0
+        for s in live:
+            e = min(n_steps, s["left"])
+            s["left"] -= e
+            emitted += e
+        return n_steps * plain_s(b), emitted, False
+    dt = verify_s(b, n_tok)
+    ak.observe_verify(b, n_tok, dt)
+    if drafting := [k for k in ks if k]:
+        d = draft_s(len(drafting), max(drafting))
+        ak.observe_draft(len(drafting), max(drafting), d)
+        dt += d
+    results, emitted = [], 0
+    for s, k in zip(live, ks):
+        n, a = 0, s["a1"] + (first_bonus if k and not s["dr"] else 0.0)
+        while n < k and rng.random() < a * 0.9**n:
+            n += 1
+        results.append((k, n))
+        e = min(n + 1, s["left"])
+        s["left"] -= e
+        emitted += e
+        s["acc"], s["dr"] = s["acc"] + n, s["dr"] + k
+    ak.observe_round(results, first=[s["dr"] == k for s, (k, _) in zip(live, results)], predicted=ak.last_prediction)
+    return dt, emitted, bool(drafting)
+
+
 def simulate(costs: str, a1: float, seed: int = 0, reps: int = 4, tokens: int = 96, first_bonus: float = 0.0,
              concentration: float = 0.0) -> dict:
     """first_bonus: added to a1 in each sequence's first drafting round (an answer's opening is
-    easier to guess: 0.41 against 0.29 later in Serve at 4 users, session 17). concentration > 0:
+    easier to guess: 0.41 against 0.29 later in Serve's traces at 4 users). concentration > 0:
     each sequence's a1 is drawn from a Beta with mean a1 and this concentration (answers differ:
     in those traces some went on to accept 0.4, most 0.05-0.2); 0: every sequence has a1."""
-    if costs in MULTI_STEP:
-        verify_s, draft_s, plain_s, steps = MULTI_STEP[costs]
-    else:
-        (verify_s, draft_s), plain_s, steps = COSTS[costs], None, 1
+    model = MULTI_STEP[costs] if costs in MULTI_STEP else (*COSTS[costs], None, 1)
     rng = random.Random(seed)
     ak = AdaptiveK(k_max=8)
     out = {}
@@ -60,41 +95,10 @@ def simulate(costs: str, a1: float, seed: int = 0, reps: int = 4, tokens: int = 
                     for _ in range(users)]
             t = emitted = 0.0
             while live := [s for s in seqs if s["left"]]:
-                ks = ak.choose([ak.acceptance(s["acc"], s["dr"]) for s in live], [min(8, s["left"] - 1) for s in live],
-                               new=[s["dr"] == 0 for s in live])
-                b, n_tok = len(live), len(live) + sum(ks)
-                if plain_s is not None and not any(ks):  # a multi-step plain call
-                    n_steps = min(steps, max(s["left"] for s in live))
-                    ak.observe_verify(b, b, plain_s(b), steps=n_steps)
-                    for s in live:
-                        e = min(n_steps, s["left"])
-                        s["left"] -= e
-                        emitted += e
-                    t += n_steps * plain_s(b)
-                    rounds += 1
-                    continue
-                dt = verify_s(b, n_tok)
-                ak.observe_verify(b, n_tok, dt)
-                if drafting := [k for k in ks if k]:
-                    d = draft_s(len(drafting), max(drafting))
-                    ak.observe_draft(len(drafting), max(drafting), d)
-                    dt += d
-                    drafting_rounds += 1
-                rounds += 1
-                results = []
-                for s, k in zip(live, ks):
-                    n, a = 0, s["a1"] + (first_bonus if k and not s["dr"] else 0.0)
-                    while n < k and rng.random() < a * 0.9**n:
-                        n += 1
-                    results.append((k, n))
-                    e = min(n + 1, s["left"])
-                    s["left"] -= e
-                    emitted += e
-                    s["acc"], s["dr"] = s["acc"] + n, s["dr"] + k
-                ak.observe_round(results, first=[s["dr"] == k for s, (k, _) in zip(live, results)],
-                                 predicted=ak.last_prediction)
-                t += dt
+                dt, e, drafted = round_seconds(ak, live, model, rng, first_bonus)
+                t, emitted, rounds, drafting_rounds = t + dt, emitted + e, rounds + 1, drafting_rounds + drafted
             rates.append(emitted / t)
+        verify_s, _, plain_s, _ = model
         k0_pass = plain_s(users) if plain_s is not None else verify_s(users, users)
         out[users] = {"vs_k0": round(st.median(rates) * k0_pass / users, 3),
                       "drafting_rounds": drafting_rounds, "rounds": rounds}
