@@ -5,7 +5,11 @@ a Serve multiplexed id) runs its own loop: every round takes the shard's active 
 max_batch_size), asks the Drafter for all of their proposals in one call, asks the Verifier to
 check all of them in one pass, and commits. Users join and leave between rounds, so a lone user never waits for a batch to fill. The loop
 holds the authoritative token lists; replicas only cache, so a failed or replaced replica costs
-a recompute, never a token."""
+a recompute, never a token.
+
+A call that fails because a replica is unavailable (dead, restarting, unreachable) is retried; one
+whose replica's code raised is not (the same call raises again): the batch's sequences then run
+alone, so the sequence that raises fails by itself and the others go on."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +18,9 @@ import logging
 import time
 import zlib
 from dataclasses import dataclass, field
+
+from ray.exceptions import RayError, RayTaskError
+from ray.serve.exceptions import RayServeException
 
 from specdec.adaptive import AdaptiveK
 from specdec.protocol import Proposal
@@ -26,6 +33,39 @@ from deployments.openai_protocol import APIError
 from deployments.transport import Transport, verify_bytes
 
 log = logging.getLogger("ray.serve")
+
+
+def failure_cause(exc: BaseException) -> str:
+    """Why a replica call failed: 'timeout'; 'error', the replica's own code raised (by reference
+    it arrives as a RayTaskError, by value as the exception itself), so the same call fails the
+    same way again; or 'unavailable', the replica died, is restarting or could not be reached, and
+    another try may find one."""
+    import grpc
+
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return "timeout"
+    if isinstance(exc, RayTaskError):
+        return "unavailable" if isinstance(exc.cause, (RayError, RayServeException)) else "error"
+    if isinstance(exc, (RayError, RayServeException, grpc.RpcError, ConnectionError)):
+        return "unavailable"
+    return "error"
+
+
+def replica_error(deployment: str, exc: BaseException) -> APIError:
+    """A request's own failure on a replica: 400 when the replica judged its input invalid
+    (ValueError, e.g. a context overflow), else 500."""
+    bad_input = isinstance(exc, ValueError)
+    return APIError(400 if bad_input else 500, f"the {deployment} failed on this request: {exc}",
+                    "invalid_request_error" if bad_input else "server_error",
+                    code="invalid_value" if bad_input else f"{deployment.lower()}_error")
+
+
+class CallFailed(Exception):
+    """A Verifier call whose replica's code raised (not retried)."""
+
+    def __init__(self, exc: BaseException):
+        super().__init__(str(exc))
+        self.exc = exc
 
 
 @dataclass
@@ -47,6 +87,8 @@ class RoundLoop:
         if adaptive is not None:
             adaptive.multi_step = args.decode_steps > 1  # its plain rounds are then priced by multi-step calls only
         self.observe_call = observe_call or (lambda deployment, seconds: None)  # (name, s) per remote call
+        # (name, cause, retried) per failed remote call; the ingress points it at its metrics
+        self.observe_failure = lambda deployment, cause, retried=False: None
         self._drafter_down_until = 0.0  # after a failure, rounds skip the drafter (K=0) until then
         self._drafter_backoff = 1.0
         self.local = {"ngram": NgramProposer(max_n=args.ngram_max)}  # needs no model: runs right here
@@ -90,10 +132,14 @@ class RoundLoop:
         handle = self.verifier.by_reference.options(multiplexed_model_id=self.shard_of(seq.seq_id))
         try:
             return await handle.prompt_logprobs.remote(seq.seq_id, list(seq.prompt_ids), n)
-        except Exception:
-            log.warning("prompt logprobs call failed", exc_info=True)
+        except Exception as exc:
+            cause = failure_cause(exc)
+            self.observe_failure("Verifier", cause)
+            log.warning("prompt logprobs call failed (%s)", cause, exc_info=True)
+            if cause == "error":
+                raise replica_error("Verifier", exc) from None
             raise APIError(503, "verifier unavailable; retry later", "server_error", code="service_unavailable",
-                           headers={"Retry-After": "2"})
+                           headers={"Retry-After": "2"}) from None
 
     def release(self, seq: Sequence) -> None:
         """Free a sequence's Verifier cache that no round loop entry owns (a scored prompt)."""
@@ -163,7 +209,11 @@ class RoundLoop:
                     batch[i].on_drafter = True
             t0 = time.perf_counter()
             rnd.set_proposals(idx, await self._propose(shard, name, reqs), time.perf_counter() - t0)
-        answer = await self._verify(shard, rnd.verify_requests(self.args.decode_steps, self.args.prefill_steps))
+        try:
+            answer = await self._verify(shard, rnd.verify_requests(self.args.decode_steps, self.args.prefill_steps))
+        except CallFailed as failed:
+            await self._isolate(shard, batch, failed.exc)
+            return
         if answer is None:
             for e in batch:
                 self._fail(e, APIError(503, "verifier unavailable; retry later", "server_error",
@@ -178,6 +228,18 @@ class RoundLoop:
         committed = rnd.commit(results, None)
         self._unpriced[shard] = (rnd, t_start, rnd.t_draft)
         self._deliver(shard, batch, committed)
+
+    async def _isolate(self, shard: str, batch: list[Entry], exc: BaseException) -> None:
+        """The Verifier's code raised on this batch. A sequence alone fails with the error; in a
+        batch each sequence gets a round of its own (once: the rounds after go back to batching),
+        so only a sequence that raises alone fails, and the rest go on."""
+        if len(batch) == 1:
+            self._fail(batch[0], replica_error("Verifier", exc))
+            return
+        log.warning("a verifier call of %d sequences raised; each runs alone this round", len(batch))
+        for e in batch:
+            if not e.aborted:
+                await self._round(shard, [e])
 
     def _trace(self, rnd: Round, results, t_start: float, t_verify: float) -> None:
         t_round = time.perf_counter() - t_start - rnd.t_draft  # the round so far, its draft calls apart
@@ -227,16 +289,28 @@ class RoundLoop:
             self.observe_call("Drafter", time.perf_counter() - t0)
             self._drafter_backoff = 1.0
             return props
-        except Exception:  # a lost drafter costs speed, not correctness: verify without drafts
+        except Exception as exc:  # a lost drafter costs speed, not correctness: verify without drafts
             call.cancel()
-            log.debug("drafter call failed", exc_info=True)
-            self._drafter_failed()
-            return none
+            cause = failure_cause(exc)
+            self.observe_failure("Drafter", cause)
+            log.debug("drafter call failed (%s)", cause, exc_info=True)
+            if cause != "error":
+                self._drafter_failed()
+                return none
+        # the Drafter is up but its code raised: backing off would stop drafts for everyone while
+        # the sequence that raises lives; alone, each finds out whether it is that one
+        self.drafter_failures += 1
+        if len(reqs) > 1:
+            return [p for r in reqs for p in await self._propose(shard, name, [r])]
+        log.warning("the drafter raised on sequence %s; it decodes without drafts from now on", reqs[0].seq_id)
+        self.proposer_of[reqs[0].seq_id] = None
+        return none
 
     async def _verify(self, shard: str, reqs):
-        """(results, seconds of the call that answered), or None when every try failed. Retried
-        with backoff for up to verify_retry_s: a retry is idempotent (another or a restarted
-        replica recomputes from the token lists), so a lost verifier costs time only."""
+        """(results, seconds of the call that answered), or None when every try failed. An
+        unavailable replica is retried with backoff for up to verify_retry_s: a retry is idempotent
+        (another or a restarted replica recomputes from the token lists), so a lost verifier costs
+        time only. Raises CallFailed at once when the replica's code raised."""
         give_up, delay = time.monotonic() + self.args.verifier_retry_s, 0.25
         handle = self.verifier.pick(verify_bytes(reqs)).options(multiplexed_model_id=shard)
         while True:
@@ -244,10 +318,15 @@ class RoundLoop:
             try:
                 results = await handle.verify.remote(reqs)
                 return results, time.perf_counter() - t0
-            except Exception:
+            except Exception as exc:
                 self.verifier_failures += 1
-                log.warning("verifier call failed", exc_info=True)
-                if time.monotonic() + delay > give_up:
+                cause = failure_cause(exc)
+                retry = cause != "error" and time.monotonic() + delay <= give_up
+                self.observe_failure("Verifier", cause, retry)
+                log.warning("verifier call failed (%s)", cause, exc_info=True)
+                if cause == "error":
+                    raise CallFailed(exc) from None
+                if not retry:
                     return None
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 2.0)

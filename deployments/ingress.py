@@ -202,6 +202,7 @@ class OpenAIIngress:
             if self.args.adaptive else None
         self.metrics = ServeMetrics(self.args.model_name)
         self.loop = RoundLoop(drafter, verifier, self.args, adaptive, self.metrics.observe_call)
+        self.loop.observe_failure = self.metrics.observe_failure
         self.has_drafter = drafter is not None
         self.verifier, self.drafter = verifier, drafter
         self.checked_at = -1e9  # when /health last asked the replicas
@@ -301,12 +302,10 @@ class OpenAIIngress:
             return
         self.stats_at = time.monotonic()
         try:
-            s = await asyncio.wait_for(asyncio.ensure_future(self.verifier.stats.remote()), 1.0)
+            s = await asyncio.wait_for(asyncio.ensure_future(self.verifier.cache_stats.remote()), 1.0)
         except Exception:  # busy or being replaced: its last figures stand
             return
-        self.metrics.replicas.report(s["replica"], {"resident": len(s["resident_sequences"]),
-                                                    "max_seqs": self.args.max_seqs,
-                                                    "prefix_tokens_reused": s["prefix_tokens_reused"]})
+        self.metrics.replicas.report(s.pop("replica"), s)
 
     @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(401, 500)})
     async def models(self, request: Request):

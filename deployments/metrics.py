@@ -19,6 +19,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)
 FINISHED_REASONS = ("stop", "length", "abort", "error")
+FAILURE_CAUSES = ("timeout", "unavailable", "error")  # deployments.driver.failure_cause
 
 
 class ServeMetrics:
@@ -65,15 +66,21 @@ class ServeMetrics:
         self.calls = Histogram(P + "replica_call_seconds", "Drafter / Verifier call latency seen by the ingress",
                                ["deployment"], registry=r, buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
         self.call_failures = Counter(P + "replica_call_failures", "Drafter / Verifier calls that failed, by cause "
-                                     "(timeout, unavailable, error)", ["deployment", "cause"], registry=r)
+                                     "(timeout; unavailable: the replica died or restarts; error: its code raised)",
+                                     ["deployment", "cause"], registry=r)
         self.call_retries = Counter(P + "replica_call_retries", "Verifier calls retried after a failure",
                                     ["deployment"], registry=r)
         self.errors = Counter(P + "request_errors", "Error responses (and failed streams), by HTTP status and code",
                               ["status", "code"], registry=r)
         self.replicas = _ReplicaStats(model_name)
         r.register(self.replicas)
-        for reason in FINISHED_REASONS:  # present from the start, so rate() sees the first increase
+        # present from the start, so rate() sees the first increase
+        for reason in FINISHED_REASONS:
             self.success.labels(self.model, reason)
+        for deployment in ("Verifier", "Drafter"):
+            for cause in FAILURE_CAUSES:
+                self.call_failures.labels(deployment, cause)
+        self.call_retries.labels("Verifier")
 
     def observe_call(self, deployment: str, seconds: float) -> None:
         self.calls.labels(deployment).observe(seconds)

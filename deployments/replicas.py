@@ -142,6 +142,12 @@ class Verifier(_Replica):
             for s in seq_ids:
                 self.verifier.free(s)
 
+    def cache_stats(self) -> dict:
+        """The KV-cache figures /metrics exports (cheap: a scrape asks every few seconds)."""
+        r = self.verifier.runner
+        return {"replica": serve.get_replica_context().replica_tag, "resident": len(r.slots), "max_seqs": r.max_seqs,
+                "prefix_tokens_reused": r.prefix_tokens_reused}
+
     def stats(self) -> dict:
         v = self.verifier
         return {**self.where(), "passes": v.passes, "batch_sizes": list(v.batch_sizes), "busy_s": v.busy_s,
