@@ -35,7 +35,7 @@ class AppArgs(EngineConfig):
         from specdec.adaptive import AdaptiveK
 
         # k_max follows max_speculative_tokens; the rest are what AdaptiveK takes
-        known = set(inspect.signature(AdaptiveK).parameters) - {"k_max", "draft_cost", "multi_step"}
+        known = set(inspect.signature(AdaptiveK).parameters) - {"k_max"}
         known = {k for k in known if not k.startswith("_")}
         if unknown := sorted(set(v) - known):
             raise ValueError(f"unknown adaptive option(s) {unknown}; known: {sorted(known)}")
