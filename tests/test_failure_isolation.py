@@ -9,6 +9,7 @@ from ray.exceptions import ActorUnavailableError
 from deployments.config import AppArgs
 from deployments.driver import RoundLoop, failure_cause
 from deployments.openai_protocol import APIError
+from specdec.protocol import Proposal
 from specdec.sampling import SamplingParams
 from specdec.sequence import Sequence
 
@@ -68,8 +69,8 @@ def run_loop(handle, seqs, **args):
     return asyncio.run(main()), failures
 
 
-def seq(sid, prompt=(5, 6, 7, 8)):
-    return Sequence(sid, list(prompt), SamplingParams(max_tokens=6, ignore_eos=True), 0, 128)
+def seq(sid, prompt=(5, 6, 7, 8), k=0):
+    return Sequence(sid, list(prompt), SamplingParams(max_tokens=6, ignore_eos=True), k, 128)
 
 
 def test_causes():
@@ -107,3 +108,53 @@ def test_an_unavailable_verifier_is_retried_then_503(verifier):
     got, failures = run_loop(FakeVerifier(verifier, lambda reqs: ActorUnavailableError("gone", None)), [seq("b")],
                              verifier_retry_s=0.5)
     assert got[0].status == 503 and failures[-1] == ("Verifier", "unavailable", False) and len(failures) >= 2
+
+
+class FakeDrafter:
+    """A Drafter handle that drafts nothing, and raises for a call that includes sequence 'bad'."""
+
+    def __init__(self):
+        self.calls = []
+        handle = self
+
+        class Propose:
+            def remote(self, reqs):
+                handle.calls.append([r.seq_id for r in reqs])
+
+                async def answer():
+                    if any(r.seq_id == "bad" for r in reqs):
+                        raise ValueError("cannot draft this")
+                    return [Proposal([], None) for _ in reqs]
+                return asyncio.ensure_future(answer())  # a response can be cancelled, as Serve's
+
+        class Free:
+            def remote(self, ids):
+                pass
+
+        self.propose, self.free = Propose(), Free()
+
+    def options(self, **_):
+        return self
+
+
+def test_a_sequence_the_drafter_raises_on_stops_drafting_alone(verifier):
+    drafter = FakeDrafter()
+    loop = RoundLoop(drafter, FakeVerifier(verifier), AppArgs(max_batch_size=8, adaptive=False, decode_steps=1,
+                                                              lookup_min_n=0))
+    failures = []
+    loop.observe_failure = lambda deployment, cause, retried=False: failures.append((deployment, cause))
+    seqs = [seq("good", k=2), seq("bad", (9, 8, 7), k=2)]
+
+    async def main():
+        entries = [loop.submit(s, "draft", 60) for s in seqs]
+        for e in entries:
+            while not (await loop.next_delta(e)).finished:
+                pass
+
+    asyncio.run(main())
+    assert all(len(s.output_ids) == 6 for s in seqs)
+    assert failures == [("Drafter", "error")] * 2  # the pair's call, then bad's alone
+    first = drafter.calls.index(["good", "bad"])
+    assert drafter.calls[first + 1:first + 3] == [["good"], ["bad"]]
+    assert all(c == ["good"] for c in drafter.calls[first + 3:]) and len(drafter.calls) > first + 3
+    assert loop._drafter_up()  # no back-off: the Drafter answers the others
