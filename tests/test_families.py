@@ -136,3 +136,27 @@ def test_greedy_equals_transformers_generate_plain_and_speculative(pair):
         if k:
             m = [o.metrics for o in outs]
             assert 0 < sum(x.num_accepted for x in m) < sum(x.num_drafted for x in m)  # both paths ran
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},  # Llama 3.1
+    {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen2.5/3
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+])
+def test_rope_tables_equal_transformers_at_real_scale(rope):
+    """Real models' head size, bases and contexts, at positions up to far past the original one."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from specdec.models.args import ModelArgs
+    from specdec.models.rope import rope_table
+
+    cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072, rope_parameters=dict(rope))
+    a = ModelArgs.from_hf(cfg)
+    pos = torch.tensor([0, 1, 100, 4095, 8191, 8192, 20000, 40000])
+    cos, sin = rope_table(a.rope_params(), a.head_dim, int(pos.max()) + 1)
+    want_cos, want_sin = LlamaRotaryEmbedding(cfg)(torch.zeros(1, dtype=torch.float32), pos.unsqueeze(0))
+    # HF computes the angles in fp32: at position 40000 they are off by up to ~4e-3 rad; ours are float64
+    torch.testing.assert_close(cos[pos].float(), want_cos[0], atol=5e-3, rtol=0)
+    torch.testing.assert_close(sin[pos].float(), want_sin[0], atol=5e-3, rtol=0)

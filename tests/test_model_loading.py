@@ -121,3 +121,37 @@ def test_a_draft_with_a_narrower_lm_head_drafts_over_the_verifiers_vocabulary(tm
     got = spec.generate(prompts, params)
     assert [g.token_ids for g in got] == [p.token_ids for p in plain.generate(prompts, params)]
     assert sum(g.metrics.num_drafted for g in got) > 0
+
+
+LLAMA_31_8B = {"architectures": ["LlamaForCausalLM"], "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+               "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 131072,
+               "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+               "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False, "vocab_size": 128256,
+               "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+LLAMA_32_1B = {**LLAMA_31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "head_dim": 64,
+               "tie_word_embeddings": True, "rope_scaling": {**LLAMA_31_8B["rope_scaling"], "factor": 32.0}}
+
+
+def test_the_gpu_configs_pair_reads_as_llama3_with_its_rope_scaling(tmp_path):
+    """cluster/serve_config.gpu.yaml's pair, from their hub config.json files (transformers 4 layout)."""
+    import yaml
+    from transformers import AutoConfig
+
+    from specdec.models.loader import family_of, read_model_type
+    from specdec.models.llama import Transformer
+
+    app = yaml.safe_load(open("cluster/serve_config.gpu.yaml"))["applications"][0]["args"]
+    assert "Llama-3.1-8B" in app["verifier"] and "Llama-3.2-1B" in app["draft"]
+    args = []
+    for name, cfg in (("verifier", LLAMA_31_8B), ("draft", LLAMA_32_1B)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        cls = family_of(read_model_type(tmp_path / name))
+        args.append(cls.hf_args(AutoConfig.from_pretrained(tmp_path / name)))
+        assert cls is Transformer
+    v, d = args
+    assert v.rope_scaling["rope_type"] == d.rope_scaling["rope_type"] == "llama3"
+    assert (v.rope_scaling["factor"], d.rope_scaling["factor"]) == (8.0, 32.0) and v.rope_theta == 500000.0
+    assert v.max_position == d.max_position == 131072 and v.vocab_size == d.vocab_size
+    assert (v.head_dim, d.head_dim, d.tie_embeddings) == (128, 64, True)

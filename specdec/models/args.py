@@ -138,8 +138,8 @@ def _rope_entry(cfg, rp: dict) -> dict:
 def served_context(rope: dict, max_position_embeddings: int) -> int:
     """How far positions go: a scaling that stretches an original context by `factor` serves
     factor times it (Qwen's yarn and the dynamic/linear configs keep max_position_embeddings at
-    the original length); Llama 3.1 already states the stretched one."""
-    if rope["rope_type"] == "default" or not rope.get("factor"):
+    the original length); Llama 3.x states the context it supports itself."""
+    if rope["rope_type"] in ("default", "llama3") or not rope.get("factor"):
         return max_position_embeddings
     orig = rope.get("original_max_position_embeddings") or max_position_embeddings
     return max(max_position_embeddings, int(rope["factor"] * orig))

@@ -111,8 +111,6 @@ class Decoder(nn.Module):
 
         self.embed.weight.copy_(g("model.embed_tokens.weight"))
         self.norm.weight.copy_(a.norm_weight(g("model.norm.weight")))
-        head = sd.get("lm_head.weight")
-        self.lm_head.weight_t.copy_((head if head is not None and not a.tie_embeddings
-                                     else g("model.embed_tokens.weight")).t())
+        self.lm_head.weight_t.copy_(g("model.embed_tokens.weight" if a.tie_embeddings else "lm_head.weight").t())
         for i, blk in enumerate(self.layers):
             blk.load_hf(g, f"model.layers.{i}.")

@@ -44,11 +44,14 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+HINTS = {"gemma3": " (multimodal Gemma 3, 4B and up; the text-only gemma3_text checkpoints, 270M and 1B, are)"}
+
+
 def family_of(model_type: str | None) -> type[Decoder]:
     cls = FAMILIES.get(model_type)
     if cls is None:
-        raise UnsupportedModelError(f"model_type {model_type!r} is not supported; supported model types: "
-                                    f"{', '.join(sorted(FAMILIES))}")
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported{HINTS.get(model_type, '')}; "
+                                    f"supported model types: {', '.join(sorted(FAMILIES))}")
     return cls
 
 
