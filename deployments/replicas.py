@@ -84,15 +84,18 @@ class Drafter(_Replica):
         super().__init__(self.args.draft_num_threads)
         self.proposer = self._on_compute(build_proposer, self.args.draft, self.args.engine())
         self.calls = 0
+        self.in_flight = 0  # propose calls started and not yet answered (a fault test kills it mid-call)
         self.busy_s = 0.0  # time spent proposing
 
     async def propose(self, requests) -> list[Proposal]:
         await self._touch_shard()
         self.calls += 1
+        self.in_flight += 1
         t0 = time.perf_counter()
         try:
             return await self._run(self._propose, requests)
         finally:
+            self.in_flight -= 1
             self.busy_s += time.perf_counter() - t0
 
     def _propose(self, requests) -> list[Proposal]:
@@ -110,7 +113,8 @@ class Drafter(_Replica):
 
     def stats(self) -> dict:
         runner = getattr(self.proposer, "runner", None)
-        return {**self.where(), "calls": self.calls, "busy_s": self.busy_s, "proposer": self.proposer.name,
+        return {**self.where(), "calls": self.calls, "in_flight": self.in_flight, "busy_s": self.busy_s,
+                "proposer": self.proposer.name,
                 "resident_sequences": sorted(runner.slots) if runner else []}
 
 

@@ -47,9 +47,9 @@ def handle(name):
     return serve.get_deployment_handle(name, "specdec")
 
 
-def stream(url, q, max_tokens=160):
+def stream(url, q, max_tokens=160, extra=None):
     body = {"model": "tiny", "messages": [{"role": "user", "content": q}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True}
+            "temperature": 0, "stream": True, "ignore_eos": True, **(extra or {})}
     text, err = "", None
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
         if r.status_code != 200:
@@ -118,39 +118,72 @@ def test_verifier_pool_scales_up_under_burst_and_back_down(cluster):
     assert replicas("Verifier") == 1
 
 
-def _burst_with_kill(cluster, victim, reference):
-    """20 streams in flight, one replica of `victim` killed mid-way: all must end."""
+def watch_health(url, stop, out):
+    """Every /health answer (status code, drafter state) until stop is set."""
+    while not stop.is_set():
+        try:
+            r = httpx.get(url + "/health", timeout=10)
+            out.append((r.status_code, r.json().get("drafter")))
+        except httpx.HTTPError as exc:
+            out.append((None, repr(exc)))
+        time.sleep(0.25)
+
+
+def drafter_call_in_flight(timeout_s=20.0) -> bool:
+    """Wait until the Drafter is inside a propose call (so a kill now lands on a call in flight)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if handle("Drafter").stats.remote().result()["in_flight"] > 0:
+            return True
+    return False
+
+
+def _burst_with_kill(cluster, victim, reference, extra=None):
+    """20 streams in flight, one replica of `victim` killed mid-way: all must end. For the Drafter
+    the kill waits until one of its calls is in flight; /health is polled throughout."""
     import ray
 
     before = handle("OpenAIIngress").loop_stats.remote().result()
     recovered: dict = {}
-    with cf.ThreadPoolExecutor(21) as pool:
-        futs = [pool.submit(stream, cluster["url"], q) for q in QUESTIONS]
+    health: list = []
+    stop = threading.Event()
+    with cf.ThreadPoolExecutor(22) as pool:
+        futs = [pool.submit(stream, cluster["url"], q, 160, extra) for q in QUESTIONS]
         time.sleep(1.0)
+        call_in_flight = drafter_call_in_flight() if victim == "Drafter" else None
         in_flight = sum(not f.done() for f in futs)
         killed = sorted(replica_names(victim))[0]
         t_kill = time.time()
         ray.kill(ray.get_actor(killed[0], namespace=killed[1]), no_restart=True)
         watcher = pool.submit(watch_recovery, victim, killed, t_kill, recovered)
+        poller = pool.submit(watch_health, cluster["url"], stop, health)
         results = [f.result(timeout=150) for f in futs]
         t_done = time.time()
         watcher.result()
+        stop.set()
+        poller.result()
     after = handle("OpenAIIngress").loop_stats.remote().result()
     ok = [t == ref for (t, _), ref in zip(results, reference)]
     figures = {"requests": len(results), "in_flight_at_kill": in_flight, "completed_exact": sum(ok),
                "failed": sum(1 for t, e in results if t is None or e is not None),
                "seconds_until_replacement_running": round(recovered["seconds"], 1) if recovered else None,
                "seconds_until_all_requests_done": round(t_done - t_kill, 1),
-               "failed_calls_seen_by_ingress": {k: after[k] - before[k] for k in ("drafter_failures", "verifier_failures")}}
+               "failed_calls_seen_by_ingress": {k: after[k] - before[k] for k in ("drafter_failures", "verifier_failures")},
+               "drafter_call_in_flight_at_kill": call_in_flight, "health_answers": sorted(set(health), key=str)}
     FIGURES[f"kill_{victim.lower()}"] = figures
     print(f"kill {victim}:", figures)
-    return results, ok, figures
+    return results, ok, figures, health
 
 
 def test_drafter_loss_loses_no_token(cluster, reference):
-    results, ok, fig = _burst_with_kill(cluster, "Drafter", reference)
-    assert fig["in_flight_at_kill"] > 0
+    """Every round drafts (adaptive off, K per request), and the kill lands on a Drafter call in
+    flight: every stream completes with the undisturbed greedy output, and /health stays 200
+    (requests are served, without drafts) while the replacement starts."""
+    results, ok, fig, health = _burst_with_kill(cluster, "Drafter", reference, {"num_speculative_tokens": 4})
+    assert fig["in_flight_at_kill"] > 0 and fig["drafter_call_in_flight_at_kill"]
+    assert fig["failed_calls_seen_by_ingress"]["drafter_failures"] > 0  # the call in flight failed
     assert all(e is None for _, e in results) and all(ok)  # every request completes, exactly
+    assert health and all(code == 200 for code, _ in health), health
     # speculation resumes on the replacement
     deadline = time.time() + 30
     while time.time() < deadline:
@@ -164,7 +197,7 @@ def test_drafter_loss_loses_no_token(cluster, reference):
 
 
 def test_verifier_loss_is_redriven_or_fails_cleanly(cluster, reference):
-    results, ok, fig = _burst_with_kill(cluster, "Verifier", reference)
+    results, ok, fig, _ = _burst_with_kill(cluster, "Verifier", reference)
     assert fig["in_flight_at_kill"] > 0
     for (text, err), good in zip(results, ok):  # none hang: each completed exactly or got a clean 503
         assert good or (err is not None and err["code"] == "service_unavailable"), (text, err)
