@@ -120,7 +120,7 @@ def test_logits_at_every_position_equal_transformers(pair):
     runner.sync(["s"], [ids + [0]], [0])
     hidden, _ = runner.forward(["s"], [ids])
     want = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(ours.logits(hidden[0]), want, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(ours.logits(hidden[0]).cpu(), want, atol=2e-4, rtol=1e-4)
 
 
 def test_greedy_equals_transformers_generate_plain_and_speculative(pair):

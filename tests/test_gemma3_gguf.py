@@ -49,7 +49,7 @@ def test_logits_equal_transformers_past_the_sliding_window(models):
         hidden, _ = runner.forward(["s"], [ids])
         with torch.no_grad():
             want = hf(torch.tensor([ids])).logits[0]
-        got = ours.logits(hidden[0])
+        got = ours.logits(hidden[0]).cpu()
         torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
