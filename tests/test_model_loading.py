@@ -115,7 +115,8 @@ def test_a_draft_with_a_narrower_lm_head_drafts_over_the_verifiers_vocabulary(tm
     cfg = dict(verifier="tiny:vocab_size=300", adaptive=False, lookup_min_n=0, progress=False, max_model_len=256)
     spec = SpecEngine.from_config(EngineConfig(**cfg, draft=draft, num_speculative_tokens=4))
     plain = SpecEngine.from_config(EngineConfig(**cfg, draft="none", num_speculative_tokens=0))
-    assert spec.proposers["draft"].runner.model.logits(torch.zeros(1, 64)).shape == (1, 300)
+    runner = spec.proposers["draft"].runner
+    assert runner.model.logits(torch.zeros(1, 64, device=runner.device)).shape == (1, 300)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     prompts = [[5, 17, 42, 7, 99, 3], [9, 8, 7]]
     got = spec.generate(prompts, params)
