@@ -77,6 +77,7 @@ class Entry:
     proposer: str | None = None  # 'draft' (the Drafter deployment), 'ngram' (local) or None
     aborted: bool = False
     on_drafter: bool = False  # the Drafter was asked for its drafts (so may hold its state)
+    sent: tuple[int, int] = (0, 0)  # output tokens and characters of text delivered to the queue
 
 
 class RoundLoop:
@@ -176,12 +177,42 @@ class RoundLoop:
                 wake.clear()
                 await wake.wait()
                 continue
+            batch = entries[: self.args.max_batch_size]
             try:
-                await self._round(shard, entries[: self.args.max_batch_size])
-            except Exception as exc:  # never let one bad round kill the loop for everyone
-                log.exception("round failed")
-                for e in list(entries[: self.args.max_batch_size]):
-                    self._fail(e, APIError(500, f"internal error: {exc}", "server_error"))
+                await self._round(shard, list(batch))
+            except Exception as exc:  # never let one bad round kill the loop, or fail a batch for one sequence
+                log.exception("a round of %d sequences failed", len(batch))
+                self._catch_up(shard, batch)
+                live = [e for e in batch if e in entries]
+                if len(batch) == 1:
+                    for e in live:
+                        self._fail(e, APIError(500, f"internal error: {exc}", "server_error", code="internal_error"))
+                else:
+                    await self._each_alone(shard, live)
+
+    def _catch_up(self, shard: str, batch: list[Entry]) -> None:
+        """Deliver what a round that raised had committed before it raised, so that no stream misses
+        tokens its sequence holds."""
+        for e in batch:
+            seq, (n, t) = e.seq, e.sent
+            if e.aborted or len(seq.output_ids) <= n:
+                continue
+            self._deliver(shard, [e], [(seq, Delta(seq.output_ids[n:], seq.text[t:], seq.finished, seq.finish_reason,
+                                                   None if seq.logprobs is None else seq.logprobs[n:]))])
+
+    async def _each_alone(self, shard: str, batch: list[Entry]) -> None:
+        """A round of each sequence alone (once: the rounds after go back to batching), so that
+        only a sequence that fails alone fails, and the rest go on."""
+        log.warning("the %d sequences of a failed round run alone", len(batch))
+        for e in batch:
+            if e.aborted:
+                continue
+            try:
+                await self._round(shard, [e])
+            except Exception as exc:
+                log.exception("a round of sequence %s failed", e.seq.seq_id)
+                self._catch_up(shard, [e])
+                self._fail(e, APIError(500, f"internal error: {exc}", "server_error", code="internal_error"))
 
     def _price(self, shard: str, now: float | None) -> None:
         """Tell adaptive K what the shard's last round cost: from its start to the next round's,
@@ -235,11 +266,8 @@ class RoundLoop:
         so only a sequence that raises alone fails, and the rest go on."""
         if len(batch) == 1:
             self._fail(batch[0], replica_error("Verifier", exc))
-            return
-        log.warning("a verifier call of %d sequences raised; each runs alone this round", len(batch))
-        for e in batch:
-            if not e.aborted:
-                await self._round(shard, [e])
+        else:
+            await self._each_alone(shard, batch)
 
     def _trace(self, rnd: Round, results, t_start: float, t_verify: float) -> None:
         t_round = time.perf_counter() - t_start - rnd.t_draft  # the round so far, its draft calls apart
@@ -259,6 +287,7 @@ class RoundLoop:
                 done.append(e)
                 continue
             e.queue.put_nowait(delta)
+            e.sent = (len(seq.output_ids), len(seq.text))
             if seq.finished:
                 self.shards[shard].remove(e)
                 done.append(e)

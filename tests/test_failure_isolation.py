@@ -158,3 +158,35 @@ def test_a_sequence_the_drafter_raises_on_stops_drafting_alone(verifier):
     assert drafter.calls[first + 1:first + 3] == [["good"], ["bad"]]
     assert all(c == ["good"] for c in drafter.calls[first + 3:]) and len(drafter.calls) > first + 3
     assert loop._drafter_up()  # no back-off: the Drafter answers the others
+
+
+def test_a_sequence_that_raises_in_the_ingress_fails_alone_and_no_stream_misses_tokens(verifier):
+    """The round raises while committing (here the bad sequence's detokenizer): what the others
+    had committed before it is still delivered, each then runs alone, and only the bad one fails."""
+    def text(ids):
+        return "".join(chr(97 + t % 26) for t in ids)
+
+    def broken(ids):
+        raise TypeError("cannot decode")
+
+    loop = RoundLoop(None, FakeVerifier(verifier), AppArgs(max_batch_size=8, adaptive=False, decode_steps=1))
+    seqs = [Sequence(sid, [5 + i, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True), 0, 128,
+                     decode=broken if sid == "bad" else text) for i, sid in enumerate(["good-0", "bad", "good-1"])]
+    want, _ = run_loop(FakeVerifier(verifier), [seq(f"ref-{i}", (5 + i, 6, 7)) for i in (0, 2)])
+
+    async def streamed(entry):
+        out = ""
+        try:
+            while not (d := await loop.next_delta(entry)).finished:
+                out += d.text
+            return out + d.text
+        except APIError as err:
+            return err
+
+    async def main():
+        return await asyncio.gather(*(streamed(loop.submit(s, None, 60)) for s in seqs))
+
+    got = asyncio.run(main())
+    assert [seqs[0].output_ids, seqs[2].output_ids] == want
+    assert got[0] == text(seqs[0].output_ids) and got[2] == text(seqs[2].output_ids)  # every token streamed once
+    assert isinstance(got[1], APIError) and got[1].status == 500
