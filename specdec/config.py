@@ -8,12 +8,12 @@ from pydantic import BaseModel, ConfigDict, Field
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    verifier: str = Field("default", description="Verifier model: 'default' (embedded SmolLM2-135M-Instruct), 'tiny[:opts]', an HF dir or a .gguf.")
+    verifier: str = Field("default", description="Verifier model: 'default' (embedded SmolLM2-135M-Instruct), 'gemma3-270m', 'tiny[:opts]', an HF dir, a .gguf or a hub model id.")
     draft: str = Field("default", description="Draft: 'default' (the shipped draft head), 'ngram', 'none', 'tiny[:opts]' or a model path.")
     num_speculative_tokens: int = Field(8, ge=0, le=16, description="K drafts per round (with adaptive: the most it chooses); 0 = plain decoding.")
     adaptive: bool = Field(True, description="Choose K each round from measured acceptance, load and cost (0 when speculation does not pay).")
     device: str = Field("cpu", description="Torch device of the models: 'cpu', 'cuda', 'cuda:N' or 'auto'.")
-    dtype: str = Field("float32", description="Weights dtype: 'float32', 'bfloat16', 'float16', or 'int4' (weight-only int4, bfloat16 activations; CPU).")
+    dtype: str = Field("auto", description="Weights: 'auto' (int4 on CPUs with AVX512-BF16/AMX for models of 10M+ parameters, else float32), 'int4' (weight-only, bfloat16 activations; CPU), 'float32', 'bfloat16' or 'float16'.")
     max_seqs: int = Field(32, ge=1, description="KV-cache slots per model (sequences resident at once); least recently used ones are evicted beyond it.")
     max_model_len: int = Field(2048, ge=16, description="Context window: prompt + output tokens.")
     prefix_caching: bool = Field(True, description="A new sequence starts from the longest prefix it shares with a cached one (a system prompt, a chat's history).")

@@ -81,8 +81,9 @@ def draft_step_ms(engine, prompt_ids: list[int], reps=5) -> float:
 
 # -- rows ----------------------------------------------------------------------------------------
 class Rows:
-    def __init__(self, engine, adaptive_engines: dict, hf, tok, max_tokens: int):
+    def __init__(self, engine, adaptive_engines: dict, hf, tok, max_tokens: int, peer=None):
         self.engine, self.adaptive_engines, self.hf, self.tok, self.max_tokens = engine, adaptive_engines, hf, tok, max_tokens
+        self.peer = peer  # llama.cpp on the same GGUF (specdec.bench.peer), or None
 
     def ours(self, eng, ids, params, k, proposer):
         v0 = eng.verifier.busy_s
@@ -110,6 +111,9 @@ class Rows:
                 "drafted": None, "accepted": None, "verifier_s": None}
 
     def run(self, row: str, ids, params):
+        if row == PEER:
+            return self.peer.run(ids, params.max_tokens) | {"passes": None, "drafted": None, "accepted": None,
+                                                            "verifier_s": None}
         if row == "hf_plain":
             return self.hf_generate(ids, params, None)
         if row == "hf_prompt_lookup":
@@ -120,6 +124,10 @@ class Rows:
             return self.ours(self.engine, ids, params, 4, "ngram")
         k = int(row.removeprefix("k"))
         return self.ours(self.engine, ids, params, k, self.engine.default_proposer if k else None)
+
+
+PEER = "llama_cpp"  # the peer's row: plain greedy decoding in llama.cpp
+OTHERS = (PEER, "hf_plain", "hf_prompt_lookup")  # rows that are not our engine
 
 
 def summarize_row(row: str, runs: list[dict], base: list[dict]) -> dict:
@@ -226,9 +234,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--verifier", default="default", help="verifier model ('tiny' = random weights, for smoke tests)")
     ap.add_argument("--draft", default="default", help="proposer for the draft rows")
+    ap.add_argument("--dtype", default="auto", help="our engines' weights (EngineConfig.dtype); HF's rows run float32")
     ap.add_argument("--results-dir", default="bench/results", help="where <name>.json/.md/.png go")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF rows")
     ap.add_argument("--no-sampled", action="store_true", help="skip the sampled rows")
+    ap.add_argument("--no-peer", action="store_true", help="skip the llama.cpp row (skipped anyway without llama-cpp-python)")
     return ap.parse_args(argv)
 
 
@@ -245,8 +255,8 @@ def build_rows(a: argparse.Namespace, max_tokens: int) -> "Rows":
     from specdec.models.loader import model_dir
     from specdec.proposers import NgramProposer
 
-    cfg = EngineConfig(verifier=a.verifier, draft=a.draft, adaptive=False, max_seqs=4, max_model_len=2048,
-                       lookup_min_n=0, prefix_caching=False)
+    cfg = EngineConfig(verifier=a.verifier, draft=a.draft, dtype=a.dtype, adaptive=False, max_seqs=4,
+                       max_model_len=2048, lookup_min_n=0, prefix_caching=False)
     base = SpecEngine.from_config(cfg)
     adaptive, adaptive_draft = (
         SpecEngine(base.verifier, base.proposers[base.default_proposer], base.tokenizer,
@@ -254,7 +264,20 @@ def build_rows(a: argparse.Namespace, max_tokens: int) -> "Rows":
         for n in (EngineConfig().lookup_min_n, 0))
     hf_dir = None if a.no_hf else model_dir(a.verifier)  # None for tiny models: HF has no copy of them
     hf = None if hf_dir is None else AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    return Rows(base, {"adaptive": adaptive, "adaptive_draft": adaptive_draft}, hf, base.tokenizer, max_tokens)
+    return Rows(base, {"adaptive": adaptive, "adaptive_draft": adaptive_draft}, hf, base.tokenizer, max_tokens,
+                build_peer(a))
+
+
+def build_peer(a: argparse.Namespace):
+    """llama.cpp on the default verifier's GGUF, where its bindings are installed."""
+    from specdec.bench import peer
+
+    if a.no_peer or a.verifier != "default":
+        return None
+    if not peer.available():
+        print("llama.cpp row skipped: `pip install llama-cpp-python` to measure the peer", flush=True)
+        return None
+    return peer.LlamaCpp(peer.default_gguf(), a.threads)
 
 
 def run_prompts(rows: "Rows", prompts: list[dict], ids: list[list[int]], row_names: dict[str, list[str]],
@@ -326,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         ["k0", "k1", "k2", "k3", "k4", "k6", "k8", "adaptive", "adaptive_draft", "ngram"]
     if rows.hf is not None:
         greedy_rows += ["hf_plain", "hf_prompt_lookup"]
+    if rows.peer is not None:
+        greedy_rows += [PEER]
     sampled_rows = [] if a.no_sampled else ["k0", "k1", "adaptive"]
 
     print("verify cost curve ...", flush=True)
@@ -338,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     results = run_prompts(rows, prompts, ids, {"greedy": greedy_rows, "sampled": sampled_rows}, max_tokens)
 
     out = {"config": {"max_tokens": max_tokens, "prompts": len(prompts), "threads": a.threads, "quick": a.quick,
-                      "verifier": a.verifier, "draft": a.draft, "torch": torch.__version__,
+                      "verifier": a.verifier, "draft": a.draft, "dtype": a.dtype,
+                      "quantized": any(getattr(m, "quantized", False) for m in base.verifier.runner.model.modules()),
+                      "torch": torch.__version__,
                       "date": time.strftime("%Y-%m-%d %H:%M")},
            "verify_cost_ms": curve, "draft_step_ms": c_ms, "draft_cost_ratio_c": c_ms / curve[1]}
     out |= tabulate(results, prompts, greedy_rows)
@@ -380,6 +407,11 @@ def summary(out: dict) -> dict:
         "ngram_extractive_speedup": out["by_category"].get("extract", {}).get("ngram"),
         "adaptive_min_category_ratio": min((v["adaptive"] for v in out["by_category"].values() if "adaptive" in v),
                                            default=None),
-        "all_greedy_rows_identical_to_k0": all(r["identical_to_k0"] for r in out["greedy"]),
+        # our rows against our K=0, in the precision served; HF (float32) and llama.cpp (its own
+        # quantised arithmetic) match it only where the arithmetic does
+        "all_greedy_rows_identical_to_k0": all(r["identical_to_k0"] for r in out["greedy"] if r["row"] not in OTHERS),
+        "hf_identical_to_k0": g["hf_plain"]["identical_to_k0"] if "hf_plain" in g else None,
+        "speedup_vs_llama_cpp_k0": tps("k0") / tps(PEER) if PEER in g else None,
+        "speedup_vs_llama_cpp_default": tps("adaptive") / tps(PEER) if PEER in g and "adaptive" in g else None,
     }
     return res

@@ -20,7 +20,8 @@ from specdec.models.qwen import Qwen2, Qwen3
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16,
-          "int4": torch.bfloat16}  # int4: weight-only int4 with bfloat16 activations (models.quant)
+          "int4": torch.bfloat16,  # weight-only int4 with bfloat16 activations (models.quant)
+          "auto": torch.float32}  # int4 where it pays, else float32 (load_model)
 # model_type -> our forward for it
 FAMILIES: dict[str, type[Decoder]] = {
     "llama": Transformer, "mistral": Transformer, "qwen2": Qwen2, "qwen3": Qwen3,
@@ -98,13 +99,17 @@ def read_model_type(d: Path) -> str | None:
 
 
 def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float32", progress: bool = True) -> Decoder:
+    """dtype 'int4': weight-only int4 with bfloat16 activations (CPU); 'auto': int4 where it pays
+    (models.quant.pays), else float32."""
+    from specdec.models import quant
+
     model = _load_model(spec, resolve_device(device), resolve_dtype(dtype), progress)
+    if dtype == "auto" and quant.pays(model):
+        model, dtype = model.to(quant.ACT_DTYPE), "int4"
     if dtype == "int4":
         if next(model.parameters()).device.type != "cpu":
             raise ValueError("dtype 'int4' runs on torch's CPU int4 kernel; on a GPU use 'bfloat16'")
-        from specdec.models.quant import quantize_model
-
-        quantize_model(model)
+        quant.quantize_model(model)
     return model
 
 

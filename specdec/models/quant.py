@@ -19,8 +19,27 @@ GROUP = 32  # weights per scale and zero point, as in GGUF's Q4_1
 ACT_DTYPE = torch.bfloat16  # activations (and the KV cache) of an int4 model
 
 
+MIN_PARAMS = 10_000_000  # 'auto' quantises models this big; tiny test models stay float32
+
+
 def available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def cpu_has_bf16() -> bool:
+    """AVX512-BF16 or AMX-BF16: where torch's int4 kernel with bfloat16 activations is fast."""
+    try:
+        flags = next((x for x in open("/proc/cpuinfo") if x.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def pays(model: torch.nn.Module) -> bool:
+    """Whether dtype 'auto' runs this (CPU, float32-loaded) model in int4: on CPUs with fast
+    bfloat16, for models big enough that reading their weights dominates a pass."""
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    return on_cpu and available() and cpu_has_bf16() and sum(p.numel() for p in model.parameters()) >= MIN_PARAMS
 
 
 def quantize(weight: Tensor, group: int = GROUP) -> tuple[Tensor, Tensor]:
