@@ -277,7 +277,7 @@ def build_peer(a: argparse.Namespace):
     if not peer.available():
         print("llama.cpp row skipped: `pip install llama-cpp-python` to measure the peer", flush=True)
         return None
-    return peer.LlamaCpp(peer.default_gguf(), a.threads)
+    return peer.LlamaCppProcess(peer.default_gguf(), a.threads)
 
 
 def run_prompts(rows: "Rows", prompts: list[dict], ids: list[list[int]], row_names: dict[str, list[str]],
