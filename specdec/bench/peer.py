@@ -109,5 +109,8 @@ class LlamaCppProcess:
 def _serve(conn, gguf: Path, threads: int) -> None:
     peer = LlamaCpp(gguf, threads)
     conn.send("ready")
-    while (job := conn.recv()) is not None:
-        conn.send(peer.run(*job))
+    try:
+        while (job := conn.recv()) is not None:
+            conn.send(peer.run(*job))
+    except EOFError:  # the benchmark ended without close()
+        pass

@@ -121,6 +121,22 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scal
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
 
 
+def attention_per_query(q: Tensor, keys: Tensor, values: Tensor, batch: "BatchIndex", window: int | None,
+                        scale: float | None, softcap: float | None) -> Tensor:
+    """attention() one real query at a time, over exactly the keys it sees, unmasked: the same call
+    a 1-token pass of that sequence alone makes. Batch-invariant passes need it: a masked call over
+    a longer key row (a verify pass's earlier queries, a batch's shorter sequences) reduces in
+    another order, and in bfloat16 that moves hidden states by whole units within a few layers."""
+    out = q.new_zeros(q.shape)  # [B, H, T, hd]; padded queries stay zero (their rows are dropped)
+    for b, (start, n) in enumerate(zip(batch.start_pos, batch.lengths)):
+        for t in range(n):
+            end = start + t + 1
+            lo = max(0, end - window) if window is not None else 0
+            out[b, :, t] = attention(q[b : b + 1, :, t : t + 1].contiguous(), keys[b : b + 1, :, lo:end],
+                                     values[b : b + 1, :, lo:end], None, scale, softcap)[0, :, 0]
+    return out
+
+
 class LayerKV:
     """One layer's view of the slot cache for the current forward pass."""
 
@@ -143,6 +159,7 @@ class BatchIndex:
 
     def __init__(self, slots: list[int], start_pos: list[int], lengths: list[int], trash_pos: int, device):
         B, T = len(slots), max(lengths)
+        self.start_pos, self.lengths = list(start_pos), list(lengths)
         pos = torch.arange(T).unsqueeze(0) + torch.tensor(start_pos).unsqueeze(1)  # [B, T]
         valid = torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)  # [B, T]
         self.rope_pos = torch.where(valid, pos, 0).to(device)
@@ -201,6 +218,8 @@ class DecoderBlock(nn.Module):
         self.q_norm = RMSNorm(hd, a.norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(hd, a.norm_eps) if a.qk_norm else None
         self.act = ACTIVATIONS[a.act]
+        # attention one query at a time (attention_per_query): set for reduced precision (models.quant)
+        self.batch_invariant = False
 
     def attend(self, h: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV, mask: Tensor | None,
                rows: Tensor | None) -> Tensor:
@@ -219,7 +238,10 @@ class DecoderBlock(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, H, T, hd]
         keys, values = kv.write_and_read(apply_rope(k, cos, sin), v.view(B, T, a.n_kv_heads, hd))
-        y = attention(q, keys, values, mask, a.attn_scale, a.attn_softcap)
+        if self.batch_invariant:
+            y = attention_per_query(q, keys, values, kv.batch, self.window, a.attn_scale, a.attn_softcap)
+        else:
+            y = attention(q, keys, values, mask, a.attn_scale, a.attn_softcap)
         y = y.transpose(1, 2).reshape(B, T, a.n_heads * hd)
         if rows is not None:
             y = y.reshape(B * T, -1).index_select(0, rows)  # [N, H * hd]

@@ -65,8 +65,9 @@ def matmul(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int = GROUP) 
 
 
 def quantize_model(model: torch.nn.Module) -> int:
-    """Quantise every Linear of the model in place (the embedding stays bfloat16); returns how many."""
-    from specdec.models.layers import Linear
+    """Quantise every Linear of the model in place (the embedding stays bfloat16) and make its
+    passes batch-invariant; returns how many Linears."""
+    from specdec.models.layers import DecoderBlock, Linear
 
     if not available():
         raise RuntimeError("dtype 'int4' needs torch's CPU int4 kernel (_weight_int4pack_mm_for_cpu), "
@@ -76,4 +77,6 @@ def quantize_model(model: torch.nn.Module) -> int:
         if isinstance(m, Linear):
             m.quantize_int4()
             n += 1
+        elif isinstance(m, DecoderBlock):
+            m.batch_invariant = True
     return n
