@@ -27,7 +27,7 @@ class Linear(nn.Module):
     Measured here (49152-wide LM head, cold cache): x @ W_t 3.7 ms at 1 row but 14 ms at 2-5
     rows; nn.Linear's layout 6.4 ms at 2 rows, 11.6 ms at 5; MKL's packed GEMM, whose weight
     is re-laid-out once for one exact row count, 6.9 ms at 5 rows and 7.9 ms at 9. On an AMD EPYC
-    (AVX2, no AVX-512; session 15) MKL is the slow one: 52-60 ms at 4 rows and 65-110 at 16 by
+    (AVX2, no AVX-512) MKL is the slow one: 52-60 ms at 4 rows and 65-110 at 16 by
     every MKL kernel, where oneDNN's packed weight, one copy serving any row count, takes 11 and
     29 ms. `models.layouts` times them all."""
 

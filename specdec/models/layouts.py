@@ -4,9 +4,9 @@ For every distinct Linear shape the model has, time x @ W_t, F.linear(x, W), (wh
 there) MKL's packed GEMM and (where oneDNN is there) oneDNN's packed linear at each row count a
 pass can have (1 ... 9 rows for one sequence's K+1 tokens, more for batches) and tell each
 Linear which to use. Run it on the thread (and thread count) that will do the compute: OpenMP
-and BLAS pick kernels per thread team. Which wins is the machine's: on the Intel VMs of sessions
-5-14 MKL's packed GEMM took the LM head's 2-9 rows; on an AMD EPYC (session 15) every MKL kernel
-cost 3-10x oneDNN's there.
+and BLAS pick kernels per thread team. Which wins is the machine's: on Intel Xeon VMs MKL's
+packed GEMM takes the LM head's 2-9 rows; on an AMD EPYC every MKL kernel costs 3-10x oneDNN's
+there.
 
 An MKL-packed weight serves exactly one row count and costs about one more resident copy of the
 weight; a oneDNN-packed one serves every row count for one copy. Copies are limited to a byte
