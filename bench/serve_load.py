@@ -144,15 +144,15 @@ def round_summary(rounds: list[dict]) -> dict:
 
 
 def in_process_engine(args_override):
+    """The engine the app's replicas run (serve_config.yaml's args and the overrides), in this process."""
     import torch
 
-    from specdec.config import EngineConfig
+    from deployments.config import AppArgs
     from specdec.engine import SpecEngine
 
     torch.set_num_threads(2)
-    return SpecEngine.from_config(EngineConfig(verifier=args_override.get("verifier", "default"),
-                                               draft=args_override.get("draft", "default"), adaptive=True,
-                                               num_speculative_tokens=8, max_seqs=4, progress=False))
+    args = AppArgs.from_yaml(ROOT / "serve_config.yaml").model_dump() | args_override
+    return SpecEngine.from_config(AppArgs(**args).engine().model_copy(update={"max_seqs": 4}))
 
 
 def in_process_tps(eng, i: int, max_tokens: int) -> float:
