@@ -31,7 +31,7 @@ from specdec.adaptive_costs import Costs
 
 PROBE_EVERY, MAX_PROBE_EVERY = 16, 256  # rounds at K = 0 before a periodic probe: at first, at most
 PROBE_OPTIMISM = 0.9  # a probe is made only if it would pay at this acceptance (else it can only lose)
-PRIOR_ACCEPTANCE = 0.5  # acceptance assumed before any draft is verified
+ACCEPTANCE_PRIOR = 0.5  # the estimate's prior, before the verifier has judged any draft
 PRIOR_WEIGHT = 4.0  # pseudo-drafts behind the prior in each sequence's and position's estimate
 ACCEPTANCE_DECAY = 0.995  # per drafted token: how fast acceptance estimates forget
 CALIBRATION_DECAY = 0.97  # per drafting round: how fast a batch size's calibration forgets
@@ -44,11 +44,12 @@ class Acceptance:
     drafted token, so long stretches at K = 0 do not drift it back to the prior."""
 
     def __init__(self, k_max: int):
-        self.drafted = self.accepted = 0.0
+        self.drafted: float = 0.0  # drafts verified, decayed
+        self.accepted: float = 0.0  # of those, accepted by the verifier, decayed
         self.tried, self.hit = [0.0] * k_max, [0.0] * k_max  # per position: drafts reached, accepted
 
     def overall(self) -> float:
-        return (self.accepted + PRIOR_ACCEPTANCE * 8) / (self.drafted + 8)
+        return (self.accepted + ACCEPTANCE_PRIOR * 8) / (self.drafted + 8)
 
     def positions(self) -> list[float]:
         """a_1..a_k_max; a position with little data leans on the one before it."""
