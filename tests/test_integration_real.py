@@ -1,4 +1,5 @@
-"""The real embedded SmolLM2 verifier (fetched and converted on first use): greedy stays exact."""
+"""The real embedded SmolLM2 verifier (fetched and converted on first use): greedy stays exact, in
+float32 against transformers, and in every dtype against plain decoding in that dtype."""
 import pytest
 import torch
 
@@ -13,13 +14,13 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=["float32", "auto"])
+def engine(request):
     from specdec.config import EngineConfig
     from specdec.engine import SpecEngine
 
     return SpecEngine.from_config(EngineConfig(verifier="default", draft="none", num_speculative_tokens=0, max_seqs=4,
-                                               max_model_len=1024, progress=False))
+                                               max_model_len=1024, dtype=request.param, progress=False))
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,8 @@ def test_plain_matches_hf_generate(engine, plain):
 
     from specdec.models.loader import model_dir
 
+    if engine.cfg.dtype != "float32":
+        pytest.skip("transformers runs float32: only float32 is held to its tokens")
     hf = AutoModelForCausalLM.from_pretrained(model_dir("default"), dtype=torch.float32).eval()
     for prompt, ours in zip(PROMPTS, plain):
         ids = engine.tokenizer.chat(prompt)

@@ -41,6 +41,16 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(shape):
         assert torch.equal(quant.matmul(x[:m], packed, sz), alone[:m])
 
 
+def test_the_bfloat16_lm_head_computes_each_row_on_its_own():
+    """The LM head stays bfloat16 (models.quant.quantize_model): its rows must not depend on
+    their neighbours either."""
+    w_t = torch.randn(576, 4096).bfloat16()
+    x = torch.randn(17, 576).bfloat16()
+    alone = torch.cat([x[i : i + 1] @ w_t for i in range(17)])
+    for m in (2, 5, 9, 16, 17):
+        assert torch.equal(x[:m] @ w_t, alone[:m])
+
+
 @pytest.fixture(scope="module")
 def int4_target():
     base = build_tiny(tiny_args(vocab_size=320), seed=0)  # widths divisible by the kernel's tiles

@@ -65,18 +65,22 @@ def matmul(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int = GROUP) 
 
 
 def quantize_model(model: torch.nn.Module) -> int:
-    """Quantise every Linear of the model in place (the embedding stays bfloat16) and make its
-    passes batch-invariant; returns how many Linears."""
+    """Quantise the decoder blocks' Linears in place and make the model's passes batch-invariant;
+    returns how many Linears. The LM head stays bfloat16: GGUFs keep it (or the tied embedding)
+    at 8 bits or more, and int4 groups of 32 re-quantising it cost answers their quality (the
+    default verifier named the wrong capital of France); torch's bfloat16 matmul on it computes
+    each row on its own too (tests/test_quant.py)."""
     from specdec.models.layers import DecoderBlock, Linear
 
     if not available():
         raise RuntimeError("dtype 'int4' needs torch's CPU int4 kernel (_weight_int4pack_mm_for_cpu), "
                            "which this torch build lacks")
     n = 0
-    for m in model.modules():
-        if isinstance(m, Linear):
-            m.quantize_int4()
-            n += 1
-        elif isinstance(m, DecoderBlock):
-            m.batch_invariant = True
+    for block in model.modules():
+        if isinstance(block, DecoderBlock):
+            block.batch_invariant = True
+            for m in block.modules():
+                if isinstance(m, Linear):
+                    m.quantize_int4()
+                    n += 1
     return n
