@@ -127,14 +127,16 @@ def attention_per_query(q: Tensor, keys: Tensor, values: Tensor, batch: "BatchIn
     a 1-token pass of that sequence alone makes. Batch-invariant passes need it: a masked call over
     a longer key row (a verify pass's earlier queries, a batch's shorter sequences) reduces in
     another order, and in bfloat16 that moves hidden states by whole units within a few layers."""
-    out = q.new_zeros(q.shape)  # [B, H, T, hd]; padded queries stay zero (their rows are dropped)
+    rows = []  # [1, H, 1, hd] per query, in (sequence, position) order; padded queries get zeros
     for b, (start, n) in enumerate(zip(batch.start_pos, batch.lengths)):
         for t in range(n):
             end = start + t + 1
             lo = max(0, end - window) if window is not None else 0
-            out[b, :, t] = attention(q[b : b + 1, :, t : t + 1].contiguous(), keys[b : b + 1, :, lo:end],
-                                     values[b : b + 1, :, lo:end], None, scale, softcap)[0, :, 0]
-    return out
+            rows.append(attention(q[b : b + 1, :, t : t + 1].contiguous(), keys[b : b + 1, :, lo:end],
+                                  values[b : b + 1, :, lo:end], None, scale, softcap))
+        rows += [q.new_zeros(1, q.shape[1], 1, q.shape[3])] * (q.shape[2] - n)
+    B, H, T, hd = q.shape
+    return torch.cat(rows, dim=2).view(H, B, T, hd).transpose(0, 1)  # [1, H, B * T, hd] -> [B, H, T, hd]
 
 
 class LayerKV:
