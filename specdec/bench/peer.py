@@ -101,16 +101,12 @@ class LlamaCppProcess:
         self._conn.send((list(ids), max_tokens))
         return self._conn.recv()
 
-    def close(self) -> None:
-        self._conn.send(None)
-        self._proc.join(10)
-
 
 def _serve(conn, gguf: Path, threads: int) -> None:
     peer = LlamaCpp(gguf, threads)
     conn.send("ready")
     try:
-        while (job := conn.recv()) is not None:
-            conn.send(peer.run(*job))
-    except EOFError:  # the benchmark ended without close()
+        while True:
+            conn.send(peer.run(*conn.recv()))
+    except EOFError:  # the benchmark's process ended
         pass

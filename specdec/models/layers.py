@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdec.models import quant
 from specdec.models.args import ModelArgs
 
 DNN_ROWS_HINT = 8  # the row count oneDNN lays a packed weight out for (it serves every count)
@@ -58,8 +59,6 @@ class Linear(nn.Module):
 
     def quantize_int4(self) -> None:
         """From now on multiply by the weight quantised to int4 (one kernel for every row count)."""
-        from specdec.models import quant
-
         self._int4 = quant.quantize(self.weight_t.detach().t())
         self._kernels = ""
 
@@ -69,9 +68,7 @@ class Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self._int4 is not None:
-            from specdec.models.quant import matmul
-
-            y = matmul(x, *self._int4)
+            y = quant.matmul(x, *self._int4)
             return y + self.bias if self.bias is not None else y
         if self._kernels:
             rows = x.numel() // x.shape[-1]
@@ -127,6 +124,7 @@ def attention_per_query(q: Tensor, keys: Tensor, values: Tensor, batch: "BatchIn
     a 1-token pass of that sequence alone makes. Batch-invariant passes need it: a masked call over
     a longer key row (a verify pass's earlier queries, a batch's shorter sequences) reduces in
     another order, and in bfloat16 that moves hidden states by whole units within a few layers."""
+    B, H, T, hd = q.shape
     rows = []  # [1, H, 1, hd] per query, in (sequence, position) order; padded queries get zeros
     for b, (start, n) in enumerate(zip(batch.start_pos, batch.lengths)):
         for t in range(n):
@@ -134,8 +132,7 @@ def attention_per_query(q: Tensor, keys: Tensor, values: Tensor, batch: "BatchIn
             lo = max(0, end - window) if window is not None else 0
             rows.append(attention(q[b : b + 1, :, t : t + 1].contiguous(), keys[b : b + 1, :, lo:end],
                                   values[b : b + 1, :, lo:end], None, scale, softcap))
-        rows += [q.new_zeros(1, q.shape[1], 1, q.shape[3])] * (q.shape[2] - n)
-    B, H, T, hd = q.shape
+        rows += [q.new_zeros(1, H, 1, hd)] * (T - n)
     return torch.cat(rows, dim=2).view(H, B, T, hd).transpose(0, 1)  # [1, H, B * T, hd] -> [B, H, T, hd]
 
 

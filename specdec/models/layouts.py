@@ -100,17 +100,23 @@ def decide(weight_t: torch.Tensor, max_rows: int = 16, cold_bytes: float = 96e6,
     return "".join(kernels), "".join(unpacked)
 
 
+def cpu_info() -> tuple[str, set[str]]:
+    """The CPU's model name and feature flags (from /proc/cpuinfo; the platform's name and no
+    flags where it cannot be read)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor(), set()
+    name = next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), platform.processor())
+    flags = next((x.split(":", 1)[1] for x in info if x.startswith("flags")), "")
+    return name, set(flags.split())
+
+
 def machine_key() -> str:
     """What a timing depends on besides the shape: the CPU (model and feature flags: a VM of the
     same name may lack AMX), the thread team's size and torch's kernels."""
-    cpu = platform.processor()
-    try:
-        info = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), cpu)
-        flags = next((x.split(":", 1)[1] for x in info if x.startswith("flags")), "")
-        cpu += " " + hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:8]
-    except OSError:
-        pass
+    name, flags = cpu_info()
+    cpu = f"{name} {hashlib.sha1(' '.join(sorted(flags)).encode()).hexdigest()[:8]}" if flags else name
     return f"{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}"
 
 

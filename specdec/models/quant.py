@@ -28,11 +28,9 @@ def available() -> bool:
 
 def cpu_has_bf16() -> bool:
     """AVX512-BF16 or AMX-BF16: where torch's int4 kernel with bfloat16 activations is fast."""
-    try:
-        flags = next((x for x in open("/proc/cpuinfo") if x.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    from specdec.models.layouts import cpu_info
+
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_info()[1])
 
 
 def pays(model: torch.nn.Module) -> bool:
