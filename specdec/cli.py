@@ -18,6 +18,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help=f["adaptive"].description)
     p.add_argument("--device", default=f["device"].default, help=f["device"].description)
     p.add_argument("--dtype", default=f["dtype"].default, help=f["dtype"].description)
+    p.add_argument("--enforce-eager", action="store_true", help=f["enforce_eager"].description)
     p.add_argument("--threads", type=int, default=f["num_threads"].default, help=f["num_threads"].description)
     p.add_argument("--max-model-len", type=int, default=f["max_model_len"].default, help=f["max_model_len"].description)
 
@@ -27,7 +28,7 @@ def engine_config(a: argparse.Namespace):
 
     return EngineConfig(verifier=a.verifier, draft="none" if a.k == 0 and a.draft == "default" else a.draft,
                         num_speculative_tokens=a.k, adaptive=a.adaptive and a.k > 0, device=a.device, dtype=a.dtype,
-                        num_threads=a.threads, max_model_len=a.max_model_len, max_seqs=4)
+                        enforce_eager=a.enforce_eager, num_threads=a.threads, max_model_len=a.max_model_len, max_seqs=4)
 
 
 def cmd_fetch(a) -> int:

@@ -52,12 +52,12 @@ def build_proposer(spec: str, cfg: EngineConfig, verifier_model=None) -> Propose
         from specdec.proposers.feature_head import FeatureHeadProposer
 
         # the head reuses the verifier's embedding, final norm and LM head rows
-        verifier_model = verifier_model or load_model(cfg.verifier, cfg.device, cfg.dtype, cfg.progress)
+        verifier_model = verifier_model or load_model(cfg.verifier, cfg.device, cfg.dtype, cfg.progress, cfg.enforce_eager)
         return FeatureHeadProposer.from_pretrained(None if spec == "default" else spec, verifier_model)
     from specdec.models.pairing import check_pair
 
     vocab = check_pair(spec, cfg.verifier, cfg.progress)  # the verifier's tokenizer, or a clear error
-    model = load_model(spec, cfg.device, cfg.dtype, cfg.progress)
+    model = load_model(spec, cfg.device, cfg.dtype, cfg.progress, cfg.enforce_eager)
     model.pad_vocab(vocab)
     return DraftModelProposer(ModelRunner(model, cfg.max_seqs, cfg.max_model_len, prefix_caching=cfg.prefix_caching))
 
@@ -73,8 +73,10 @@ def is_head_dir(spec: str) -> bool:
 def build_verifier(cfg: EngineConfig) -> Verifier:
     from specdec.models.loader import load_model
 
-    return Verifier(ModelRunner(load_model(cfg.verifier, cfg.device, cfg.dtype, cfg.progress), cfg.max_seqs,
-                                cfg.max_model_len, prefix_caching=cfg.prefix_caching))
+    model = load_model(cfg.verifier, cfg.device, cfg.dtype, cfg.progress, cfg.enforce_eager)
+    runner = ModelRunner(model, cfg.max_seqs, cfg.max_model_len, prefix_caching=cfg.prefix_caching)
+    runner.warm_up()
+    return Verifier(runner)
 
 
 class SpecEngine:

@@ -42,6 +42,7 @@ class Decoder(nn.Module):
         self._rope_cache: dict[str, tuple[Tensor, Tensor]] = {}
         self._rope_kinds = sorted({a.rope_kind(i) for i in range(a.n_layers)})
         self.logits_size = a.vocab_size  # see pad_vocab
+        self.token_pass = None  # set by use_token_pass: batch-invariant passes (reduced precision)
 
     @classmethod
     def hf_args(cls, cfg) -> ModelArgs:
@@ -70,6 +71,8 @@ class Decoder(nn.Module):
         """tokens: [B, T] padded; returns the last layer's hidden states [B, T, dim], before the
         final norm (EAGLE-style draft heads read these features). No LM head here: the caller
         picks the rows it needs first, because the LM head is the most expensive matmul."""
+        if self.token_pass is not None:
+            return self._forward_tokens(tokens, batch, caches)
         B, T = tokens.shape
         rows = batch.rows
         x = self.embed_tokens(tokens if rows is None else tokens.reshape(-1).index_select(0, rows))  # [B, T, dim] or [N, dim]
@@ -83,6 +86,42 @@ class Decoder(nn.Module):
                 x = layer(x, cos, sin, LayerKV(kc, vc, batch), batch.mask_for(layer.window), rows)
         if rows is not None:  # back to [B, T, dim], padding as zeros
             x = x.new_zeros(B * T, x.shape[-1]).index_copy_(0, rows, x).view(B, T, -1)
+        return x
+
+    def use_token_pass(self, compiled: bool) -> None:
+        """Run every pass over the batch's real tokens only, row by row (models.token_pass):
+        batch-invariant, and compiled when `compiled`."""
+        from specdec.models.token_pass import TokenPass
+
+        self.token_pass = TokenPass(self, compiled)
+
+    def _forward_tokens(self, tokens: Tensor, batch: BatchIndex, caches: list[tuple[Tensor, Tensor]]) -> Tensor:
+        B, T = tokens.shape
+        flat = tokens.reshape(-1)
+        pos = batch.rope_pos.reshape(-1)
+        slots = batch.slot_index.expand(B, T).reshape(-1)
+        if batch.rows is not None:
+            flat, pos, slots = flat[batch.rows], pos[batch.rows], slots[batch.rows]
+        rope = {}
+        for kind in self._rope_kinds:
+            cos_t, sin_t = self.rope_tables(kind, batch.ctx, tokens.device, self.embed.weight.dtype)
+            rope[kind] = (cos_t[pos], sin_t[pos])
+        x = self.token_pass(flat, torch.stack([slots, pos], 1), rope, caches)
+        if batch.rows is None:
+            return x.view(B, T, -1)
+        return x.new_zeros(B * T, x.shape[-1]).index_copy_(0, batch.rows, x).view(B, T, -1)
+
+    def token_forward(self, tokens: Tensor, meta: Tensor, rope: dict[str, tuple[Tensor, Tensor]],
+                      caches: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """The pass over N real tokens [N] of a ragged batch: meta [N, 2] is each one's (slot,
+        position), rope[kind] its (cos, sin) [N, hd]. Returns pre-norm hidden states [N, dim]."""
+        from specdec.models.token_pass import TokenKV
+
+        x = self.embed_tokens(tokens)
+        rope = {kind: (cos.unsqueeze(1), sin.unsqueeze(1)) for kind, (cos, sin) in rope.items()}  # [N, 1, hd]
+        for layer, (kc, vc) in zip(self.layers, caches):
+            cos, sin = rope[layer.rope_kind]
+            x = layer(x, cos, sin, TokenKV(kc, vc, meta), None)
         return x
 
     def logits(self, hidden: Tensor) -> Tensor:

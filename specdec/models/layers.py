@@ -118,24 +118,6 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scal
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
 
 
-def attention_per_query(q: Tensor, keys: Tensor, values: Tensor, batch: "BatchIndex", window: int | None,
-                        scale: float | None, softcap: float | None) -> Tensor:
-    """attention() one real query at a time, over exactly the keys it sees, unmasked: the same call
-    a 1-token pass of that sequence alone makes. Batch-invariant passes need it: a masked call over
-    a longer key row (a verify pass's earlier queries, a batch's shorter sequences) reduces in
-    another order, and in bfloat16 that moves hidden states by whole units within a few layers."""
-    B, H, T, hd = q.shape
-    rows = []  # [1, H, 1, hd] per query, in (sequence, position) order; padded queries get zeros
-    for b, (start, n) in enumerate(zip(batch.start_pos, batch.lengths)):
-        for t in range(n):
-            end = start + t + 1
-            lo = max(0, end - window) if window is not None else 0
-            rows.append(attention(q[b : b + 1, :, t : t + 1].contiguous(), keys[b : b + 1, :, lo:end],
-                                  values[b : b + 1, :, lo:end], None, scale, softcap))
-        rows += [q.new_zeros(1, H, 1, hd)] * (T - n)
-    return torch.cat(rows, dim=2).view(H, B, T, hd).transpose(0, 1)  # [1, H, B * T, hd] -> [B, H, T, hd]
-
-
 class LayerKV:
     """One layer's view of the slot cache for the current forward pass."""
 
@@ -217,8 +199,6 @@ class DecoderBlock(nn.Module):
         self.q_norm = RMSNorm(hd, a.norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(hd, a.norm_eps) if a.qk_norm else None
         self.act = ACTIVATIONS[a.act]
-        # attention one query at a time (attention_per_query): set for reduced precision (models.quant)
-        self.batch_invariant = False
 
     def attend(self, h: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV, mask: Tensor | None,
                rows: Tensor | None) -> Tensor:
@@ -226,6 +206,8 @@ class DecoderBlock(nn.Module):
         [N, dim] with `rows` their places in the flattened [B * T] (see BatchIndex.rows): the
         matmuls then skip the padding and only attention, which is per sequence, sees [B, T]."""
         a = self.a
+        if not isinstance(kv, LayerKV):  # a token pass (models.token_pass): h is [N, dim], cos [N, 1, hd]
+            return self.attend_tokens(h, cos, sin, kv)
         B, T = cos.shape[:2]
         hd = a.head_dim
         qkv = self.wqkv(h)  # [B, T, (H + 2Hkv) * hd], or [N, ...]
@@ -237,14 +219,24 @@ class DecoderBlock(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, H, T, hd]
         keys, values = kv.write_and_read(apply_rope(k, cos, sin), v.view(B, T, a.n_kv_heads, hd))
-        if self.batch_invariant:
-            y = attention_per_query(q, keys, values, kv.batch, self.window, a.attn_scale, a.attn_softcap)
-        else:
-            y = attention(q, keys, values, mask, a.attn_scale, a.attn_softcap)
+        y = attention(q, keys, values, mask, a.attn_scale, a.attn_softcap)
         y = y.transpose(1, 2).reshape(B, T, a.n_heads * hd)
         if rows is not None:
             y = y.reshape(B * T, -1).index_select(0, rows)  # [N, H * hd]
         return self.wo(y)
+
+    def attend_tokens(self, h: Tensor, cos: Tensor, sin: Tensor, kv) -> Tensor:
+        """attend() in a token pass: N real tokens, each attending alone (token_pass.attend_tokens)."""
+        a = self.a
+        hd = a.head_dim
+        q, k, v = self.wqkv(h).split([a.n_heads * hd, a.n_kv_heads * hd, a.n_kv_heads * hd], dim=-1)
+        q, k = q.view(-1, a.n_heads, hd), k.view(-1, a.n_kv_heads, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        y = torch.ops.specdec.attend_tokens(apply_rope(q, cos, sin), apply_rope(k, cos, sin),
+                                            v.view(-1, a.n_kv_heads, hd), kv.k_cache, kv.v_cache, kv.meta,
+                                            self.window or 0, a.attn_scale, a.attn_softcap)
+        return self.wo(y.view(-1, a.n_heads * hd))
 
     def mlp(self, h: Tensor) -> Tensor:
         gate, up = self.w13(h).chunk(2, dim=-1)

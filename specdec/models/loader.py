@@ -98,9 +98,10 @@ def read_model_type(d: Path) -> str | None:
     return json.loads((d / "config.json").read_text()).get("model_type")
 
 
-def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float32", progress: bool = True) -> Decoder:
+def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float32", progress: bool = True,
+               eager: bool = False) -> Decoder:
     """dtype 'int4': weight-only int4 with bfloat16 activations (CPU); 'auto': int4 where it pays
-    (models.quant.pays), else float32."""
+    (models.quant.pays), else float32. An int4 model's passes are compiled unless `eager`."""
     from specdec.models import quant
 
     model = _load_model(spec, resolve_device(device), resolve_dtype(dtype), progress)
@@ -109,7 +110,7 @@ def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float
     if dtype == "int4":
         if next(model.parameters()).device.type != "cpu":
             raise ValueError("dtype 'int4' runs on torch's CPU int4 kernel; on a GPU use 'bfloat16'")
-        quant.quantize_model(model)
+        quant.quantize_model(model, compiled=not eager)
     return model
 
 

@@ -62,12 +62,13 @@ def matmul(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int = GROUP) 
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def quantize_model(model: torch.nn.Module) -> int:
-    """Quantise the decoder blocks' Linears in place and make the model's passes batch-invariant;
-    returns how many Linears. The LM head stays bfloat16: GGUFs keep it (or the tied embedding)
-    at 8 bits or more, and int4 groups of 32 re-quantising it cost answers their quality (the
-    default verifier named the wrong capital of France); torch's bfloat16 matmul on it computes
-    each row on its own too (tests/test_quant.py)."""
+def quantize_model(model: torch.nn.Module, compiled: bool = True) -> int:
+    """Quantise the decoder blocks' Linears in place and make the model's passes batch-invariant
+    (models.token_pass; compiled unless `compiled` is False); returns how many Linears. The LM
+    head stays bfloat16: GGUFs keep it (or the tied embedding) at 8 bits or more, and int4 groups
+    of 32 re-quantising it cost answers their quality (the default verifier named the wrong
+    capital of France); torch's bfloat16 matmul on it computes each row on its own too
+    (tests/test_quant.py)."""
     from specdec.models.layers import DecoderBlock, Linear
 
     if not available():
@@ -76,9 +77,9 @@ def quantize_model(model: torch.nn.Module) -> int:
     n = 0
     for block in model.modules():
         if isinstance(block, DecoderBlock):
-            block.batch_invariant = True
             for m in block.modules():
                 if isinstance(m, Linear):
                     m.quantize_int4()
                     n += 1
+    model.use_token_pass(compiled)
     return n

@@ -165,6 +165,15 @@ class ModelRunner:
             s.tokens.extend(x)
         return hidden, batch.valid
 
+    def warm_up(self) -> None:
+        """A compiled model compiles at its first pass: make that pass now, at start-up, rather
+        than in a user's request (a 2-token pass in a scratch slot, which is then forgotten)."""
+        if getattr(self.model.token_pass, "compiled", False):
+            self.sync(["<warm-up>"], [[0, 0]], [0])
+            self.forward(["<warm-up>"], [[0, 0]])
+            slot = self.slots.pop("<warm-up>")
+            self.free_slots.append(slot.index)
+
     def prefill(self, seq_ids: list[str], inputs: list[list[int]]) -> None:
         """Feed inputs whose logits nobody needs. Inputs of similar length share one padded
         forward (on a CPU a pass over a few rows costs little more than over one: the weights
