@@ -119,9 +119,10 @@ class Decoder(nn.Module):
 
         x = self.embed_tokens(tokens)
         rope = {kind: (cos.unsqueeze(1), sin.unsqueeze(1)) for kind, (cos, sin) in rope.items()}  # [N, 1, hd]
+        op = self.token_pass.attention
         for layer, (kc, vc) in zip(self.layers, caches):
             cos, sin = rope[layer.rope_kind]
-            x = layer(x, cos, sin, TokenKV(kc, vc, meta), None)
+            x = layer(x, cos, sin, TokenKV(kc, vc, meta, op), None)
         return x
 
     def logits(self, hidden: Tensor) -> Tensor:

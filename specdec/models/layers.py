@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.models import quant
+from specdec.models import kernels, quant
 from specdec.models.args import ModelArgs
 
 DNN_ROWS_HINT = 8  # the row count oneDNN lays a packed weight out for (it serves every count)
@@ -42,6 +42,7 @@ class Linear(nn.Module):
         self._packed: dict[int, Tensor] = {}  # rows -> MKL-packed weight for exactly that many
         self._dnn: Tensor | None = None  # oneDNN-packed weight: one copy for every row count
         self._int4: tuple[Tensor, Tensor] | None = None  # (packed weight, scales and zeros): see models.quant
+        self._wq: tuple | None = None  # (packed, scales, mins, bits, out): models.kernels' weight-only kernel
 
     @property
     def weight(self) -> Tensor:
@@ -58,17 +59,28 @@ class Linear(nn.Module):
         self._dnn = dnn_pack(self.weight_t.detach().t()) if "d" in self._kernels else None
 
     def quantize_int4(self) -> None:
-        """From now on multiply by the weight quantised to int4 (one kernel for every row count)."""
-        self._int4 = quant.quantize(self.weight_t.detach().t())
+        """From now on multiply by the weight quantised to 4 bits (one kernel for every row count):
+        specdec's kernel where it builds, else torch's."""
+        w = self.weight_t.detach().t()
+        if kernels.load() and kernels.fits(w):
+            self._wq = (*kernels.quantize_q4(w), 4, w.shape[0])
+        else:
+            self._int4 = quant.quantize(w)
+        self._kernels = ""
+
+    def quantize_int8(self) -> None:
+        """From now on multiply by the weight quantised to 8 bits per group of 32 (models.kernels)."""
+        w = self.weight_t.detach().t()
+        self._wq = (*kernels.quantize_q8(w), 8, w.shape[0])
         self._kernels = ""
 
     @property
     def quantized(self) -> bool:
-        return self._int4 is not None
+        return self._int4 is not None or self._wq is not None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self._int4 is not None:
-            y = quant.matmul(x, *self._int4)
+        if self._wq is not None or self._int4 is not None:
+            y = quant.matmul(x, *self._int4) if self._wq is None else kernels.matmul(x, *self._wq)
             return y + self.bias if self.bias is not None else y
         if self._kernels:
             rows = x.numel() // x.shape[-1]
@@ -233,9 +245,8 @@ class DecoderBlock(nn.Module):
         q, k = q.view(-1, a.n_heads, hd), k.view(-1, a.n_kv_heads, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        y = torch.ops.specdec.attend_tokens(apply_rope(q, cos, sin), apply_rope(k, cos, sin),
-                                            v.view(-1, a.n_kv_heads, hd), kv.k_cache, kv.v_cache, kv.meta,
-                                            self.window or 0, a.attn_scale, a.attn_softcap)
+        y = kv.attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(-1, a.n_kv_heads, hd),
+                      self.window or 0, a.attn_scale or hd**-0.5, a.attn_softcap or 0.0)
         return self.wo(y.view(-1, a.n_heads * hd))
 
     def mlp(self, h: Tensor) -> Tensor:

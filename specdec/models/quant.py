@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from specdec.models import kernels
+
 GROUP = 32  # weights per scale and zero point, as in GGUF's Q4_1
 ACT_DTYPE = torch.bfloat16  # activations (and the KV cache) of an int4 model
 
@@ -81,5 +83,7 @@ def quantize_model(model: torch.nn.Module, compiled: bool = True) -> int:
                 if isinstance(m, Linear):
                     m.quantize_int4()
                     n += 1
+    if kernels.load() and kernels.fits(model.lm_head.weight):
+        model.lm_head.quantize_int8()  # the GGUF's own Q8_0 layout: half bf16's bytes
     model.use_token_pass(compiled)
     return n

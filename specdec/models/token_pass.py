@@ -25,14 +25,14 @@ from specdec.models.layers import attention
 
 _LIB = torch.library.Library("specdec", "DEF")  # noqa: the op lives as long as the process
 _LIB.define("attend_tokens(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor meta, "
-            "int window, float? scale, float? softcap) -> Tensor")
+            "int window, float scale, float softcap) -> Tensor")
 
 
 def attend_tokens(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Tensor,
-                  window: int, scale: float | None, softcap: float | None) -> Tensor:
+                  window: int, scale: float, softcap: float) -> Tensor:
     """Write each token's k/v [N, Hkv, hd] at its (slot, position) (meta [N, 2]), then attend each
     query q [N, H, hd] over its own slot's keys up to its position (the last `window` of them when
-    window > 0), alone: the same call a 1-token pass of that sequence makes."""
+    window > 0), alone: the same call a 1-token pass of that sequence makes (softcap 0: none)."""
     slots, pos = meta[:, 0], meta[:, 1]
     k_cache[slots, :, pos] = k
     v_cache[slots, :, pos] = v
@@ -41,7 +41,7 @@ def attend_tokens(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Ten
     for i, (s, p) in enumerate(meta.tolist()):
         lo = max(0, p + 1 - window) if window > 0 else 0
         y = attention(q[i].view(1, heads, 1, hd), k_cache[s : s + 1, :, lo : p + 1], v_cache[s : s + 1, :, lo : p + 1],
-                      None, scale, softcap)
+                      None, scale, softcap or None)
         out[i] = y.view(heads, hd)
     return out
 
@@ -58,10 +58,23 @@ def _(q, k, v, k_cache, v_cache, meta, window, scale, softcap):
 
 
 class TokenKV:
-    """One layer's slot cache in a token pass, and where the pass's tokens go in it."""
+    """One layer's slot cache in a token pass, where the pass's tokens go in it, and the attention
+    op: specdec's kernel (models.kernels) on CPU in bfloat16, else `attend_tokens` above."""
 
-    def __init__(self, k_cache: Tensor, v_cache: Tensor, meta: Tensor):
-        self.k_cache, self.v_cache, self.meta = k_cache, v_cache, meta
+    def __init__(self, k_cache: Tensor, v_cache: Tensor, meta: Tensor, op):
+        self.k_cache, self.v_cache, self.meta, self.op = k_cache, v_cache, meta, op
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int, scale: float, softcap: float) -> Tensor:
+        """q [N, H, hd], k/v [N, Hkv, hd]; softcap 0: none."""
+        return self.op(q, k, v, self.k_cache, self.v_cache, self.meta, window, scale, softcap)
+
+
+def attention_op(device: torch.device, dtype: torch.dtype):
+    from specdec.models import kernels
+
+    if device.type == "cpu" and dtype == torch.bfloat16 and kernels.load():
+        return torch.ops.specdec_attention.attend_tokens
+    return torch.ops.specdec.attend_tokens
 
 
 def cache_dir() -> Path:
@@ -74,6 +87,8 @@ class TokenPass:
 
     def __init__(self, model: torch.nn.Module, compiled: bool):
         self.compiled = compiled
+        w = model.embed.weight
+        self.attention = attention_op(w.device, w.dtype)
         if compiled:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
             import torch._inductor.config as inductor_config

@@ -1,0 +1,178 @@
+"""specdec's CPU kernels, both batch-invariant by construction (a row's result is bitwise the
+same whatever else shares the call):
+- wq_matmul.cpp: weight-only-quantised matmul, llama.cpp-style Q4_1 / Q8 weights times activations
+  quantised inside the op to int8 per row and group of 32, integer dot products and a fixed float
+  fold per row; its cost is nearly flat in the number of rows, where torch's int4 kernel's grows
+  with each row (2.6x at 5 rows here), which is what a verify pass of K + 1 tokens pays;
+- attention.cpp: a token pass's attention (models.token_pass), one (token, head) per task.
+
+`load()` compiles the extension once per (source, torch version, CPU flags) into
+$SPECDEC_HOME/kernels/<hash> (default ~/.cache/specdec) and registers torch.ops.specdec_kernels;
+it returns False, with the reason logged, where that cannot be done (no compiler or ninja, a failed
+build): callers then fall back to torch's own int4 kernel (specdec/models/quant.py)."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+GROUP = 32  # inputs per scale and min
+TILE = 16  # output columns per packed tile
+SOURCES = [Path(__file__).with_name(f) for f in ("wq_matmul.cpp", "attention.cpp")]
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ok": bool, "reason": str
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine() + " " + platform.processor()
+
+
+def build_dir() -> Path:
+    home = Path(os.environ.get("SPECDEC_HOME", Path.home() / ".cache" / "specdec"))
+    key = hashlib.sha256()
+    for part in (*(f.read_bytes() for f in SOURCES), torch.__version__.encode(), _cpu_flags().encode(), " ".join(CFLAGS).encode()):
+        key.update(part)
+        key.update(b"\0")
+    return home / "kernels" / key.hexdigest()[:16]
+
+
+def load(verbose: bool = False) -> bool:
+    """Build (once per machine and source) and load the extension; True when its ops are usable."""
+    with _lock:
+        if "ok" in _state:
+            return bool(_state["ok"])
+        try:
+            from torch.utils import cpp_extension
+
+            if not hasattr(torch.ops.specdec_kernels, "wq_matmul"):  # not loaded by someone else already
+                cpp_extension.verify_ninja_availability()
+                path = build_dir()
+                path.mkdir(parents=True, exist_ok=True)
+                cpp_extension.load(name="specdec_wq_" + path.name, sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS,
+                                   extra_ldflags=["-fopenmp"], build_directory=str(path), is_python_module=False,
+                                   verbose=verbose)
+            _register_fakes()
+            _state["ok"], _state["reason"] = True, ""
+        except Exception as e:  # no compiler, no ninja, a failed build: the caller falls back
+            _state["ok"], _state["reason"] = False, f"{type(e).__name__}: {e}"
+            log.warning("specdec kernels unavailable, falling back to torch's int4 kernel: %s", _state["reason"])
+        return bool(_state["ok"])
+
+
+def unavailable_reason() -> str:
+    return str(_state.get("reason", "not loaded yet"))
+
+
+def isa() -> str:
+    """Which path the build compiled: 'avx512-vnni', 'avx2' or 'scalar'."""
+    return torch.ops.specdec_kernels.wq_isa()
+
+
+def _register_fakes() -> None:
+    if _state.get("fakes"):
+        return
+
+    @torch.library.register_fake("specdec_kernels::wq_matmul")
+    def _(x, packed, scales, mins, bits, n):
+        torch._check(x.dim() == 2)
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("specdec_attention::attend_tokens")
+    def _(q, k, v, k_cache, v_cache, meta, window, scale, softcap):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("specdec_kernels::wq_pack")
+    def _(q, bits):
+        n, k = q.shape
+        return q.new_empty(n // TILE, k // GROUP, GROUP * TILE * bits // 8, dtype=torch.uint8)
+
+    _state["fakes"] = True
+
+
+def fits(weight: Tensor) -> bool:
+    """Whether the kernel takes this [out, in] weight (16 | out, 32 | in)."""
+    n, k = weight.shape
+    return n % TILE == 0 and k % GROUP == 0
+
+
+def _check_shape(n: int, k: int) -> None:
+    if n % TILE or k % GROUP:
+        raise ValueError(f"wq kernels need out features % {TILE} == 0 and in features % {GROUP} == 0; "
+                         f"this weight is [{n}, {k}]")
+
+
+def pack_params(p: Tensor) -> Tensor:
+    """Per-(column, group) values [N, K / 32] -> the kernel's layout, fp32 [N / 16, K / 32, 16]."""
+    n, g = p.shape
+    return p.float().reshape(n // TILE, TILE, g).transpose(1, 2).contiguous()
+
+
+def unpack_params(p: Tensor) -> Tensor:
+    """The kernel's layout [N / 16, K / 32, 16] -> [N, K / 32]."""
+    t, g, _ = p.shape
+    return p.transpose(1, 2).reshape(t * TILE, g)
+
+
+def quantize_q4_raw(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """weight [N, K] -> (q uint8 [N, K] in 0..15, d [N, K/32], m [N, K/32]), Q4_1: w ~ d q + m."""
+    n, k = weight.shape
+    _check_shape(n, k)
+    w = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    d = ((hi - lo) / 15).clamp(min=1e-10)  # a constant group: any scale, q = 0
+    q = ((w - lo) / d).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return q, d.squeeze(-1), lo.squeeze(-1)
+
+
+def quantize_q8_raw(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """weight [N, K] -> (q uint8 [N, K] = round(w / d) + 128, d = amax / 127, m = -128 d), per group of 32."""
+    n, k = weight.shape
+    _check_shape(n, k)
+    w = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    d = w.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, w / torch.where(d > 0, d, 1), 0).round().clamp(-127, 127) + 128
+    return q.to(torch.uint8).reshape(n, k), d.squeeze(-1), (-128 * d).squeeze(-1)
+
+
+def pack(q: Tensor, d: Tensor, m: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(q [N, K], d, m [N, K / 32]) -> (packed, scales, mins) for matmul()."""
+    return torch.ops.specdec_kernels.wq_pack(q.contiguous(), bits), pack_params(d), pack_params(m)
+
+
+def quantize_q4(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """weight fp32 [N, K] -> (packed, scales, mins), asymmetric 4-bit per group of 32 as GGUF's Q4_1."""
+    return pack(*quantize_q4_raw(weight), 4)
+
+
+def quantize_q8(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """weight fp32 [N, K] -> (packed, scales, mins), symmetric 8-bit per group of 32 (stored unsigned)."""
+    return pack(*quantize_q8_raw(weight), 8)
+
+
+def dequantize(q: Tensor, d: Tensor, m: Tensor) -> Tensor:
+    """(q [N, K], d, m [N, K / 32]) -> w = d q + m, fp32 [N, K]."""
+    n, k = q.shape
+    return (d.unsqueeze(-1) * q.float().reshape(n, k // GROUP, GROUP) + m.unsqueeze(-1)).reshape(n, k)
+
+
+def matmul(x: Tensor, packed: Tensor, scales: Tensor, mins: Tensor, bits: int, n: int) -> Tensor:
+    """x [..., K] (bfloat16 or float32) times the quantised weight's transpose -> [..., n], x's dtype."""
+    y = torch.ops.specdec_kernels.wq_matmul(x.reshape(-1, x.shape[-1]).contiguous(), packed, scales, mins, bits, n)
+    return y.view(*x.shape[:-1], n)

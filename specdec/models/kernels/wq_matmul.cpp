@@ -1,0 +1,382 @@
+// Weight-only-quantised CPU matmul (llama.cpp's Q4_1 x Q8_1 / Q8_0 x Q8_1 style), row-invariant.
+//
+// y[i, n] = sum over groups g of 32 inputs, in order g = 0, 1, ...:
+//     t   = d[n, g] * float(isum)              isum = sum q[n, k] * xq[i, k]   (exact int32)
+//     t   = fma(m[n, g], float(xsum), t)       xsum = sum xq[i, k]             (exact int32)
+//     acc = fma(t, s[i, g], acc)               acc starts at +0.0f
+// i.e. s * (d * isum + m * xsum) = d s sum(q xq) + m s sum(xq), with w = d q + m.
+// Activations are quantised inside the op, per row and group of 32: s = max|x| / 127,
+// xq = round-half-even(x / s) (s == 0 -> xq = 0). Every row goes through the very same float
+// operations whatever the number of rows in the call, the row tile it falls in, or the ISA path
+// (the integer sums are exact), so a row's result is bitwise independent of the rows beside it.
+// Build with -ffp-contract=off: the compiler must not fuse the scalar path's mul and add.
+//
+// Packed weight layout ("tile" = 16 output columns, "group" = 32 inputs), bytes:
+//   [N / 16 tiles][K / 32 groups][chunk bytes], chunk = 64 bytes = 16 columns x 4 consecutive k
+//   (column j's 4 bytes at j * 4 .. j * 4 + 3, i.e. one int32 lane per column).
+//   8 bits: 8 chunks per group (k = 4c .. 4c + 3 in chunk c), 512 bytes per group.
+//   4 bits: 4 chunks per group; byte's low nibble belongs to chunk v, high nibble to chunk v + 4,
+//   256 bytes per group.
+// Scales and mins: fp32 [N / 16 tiles][K / 32 groups][16].
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define WQ_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define WQ_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t GROUP = 32;
+constexpr int64_t TILE = 16;
+constexpr int64_t CHUNK = 64;
+
+inline int64_t group_bytes(int64_t bits) { return bits == 4 ? 4 * CHUNK : 8 * CHUNK; }
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---- activation quantisation: one row, K floats -> K int8, G scales, G (float) sums ----
+void quantize_row(const float* x, int64_t K, int8_t* xq, float* s, float* xs) {
+  const int64_t G = K / GROUP;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* xg = x + g * GROUP;
+    int8_t* qg = xq + g * GROUP;
+#if defined(WQ_VNNI)
+    __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+#else
+    float amax = 0.0f;
+    for (int64_t k = 0; k < GROUP; ++k) amax = std::max(amax, std::fabs(xg[k]));
+#endif
+    const float sc = amax / 127.0f;
+    s[g] = sc;
+    if (sc == 0.0f) {
+      std::memset(qg, 0, GROUP);
+      xs[g] = 0.0f;
+      continue;
+    }
+#if defined(WQ_VNNI)
+    const __m512 vs = _mm512_set1_ps(sc);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    __m512i qa = _mm512_cvt_roundps_epi32(_mm512_div_ps(a, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i qb = _mm512_cvt_roundps_epi32(_mm512_div_ps(b, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    qa = _mm512_min_epi32(_mm512_max_epi32(qa, lo), hi);
+    qb = _mm512_min_epi32(_mm512_max_epi32(qb, lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qg), _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qg + 16), _mm512_cvtepi32_epi8(qb));
+    xs[g] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+#else
+    int32_t sum = 0;
+    for (int64_t k = 0; k < GROUP; ++k) {
+      // nearbyint rounds half to even in the default rounding mode, as the vector path does
+      int32_t q = static_cast<int32_t>(std::nearbyint(xg[k] / sc));
+      q = std::min(127, std::max(-127, q));
+      qg[k] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    xs[g] = static_cast<float>(sum);
+#endif
+  }
+}
+
+// ---- per-tile kernels: R rows x 16 columns, all K; out[r * 16 + j] fp32 ----
+
+#if defined(WQ_VNNI)
+constexpr int MAX_R = 8;
+
+template <int R, int BITS>
+inline void tile_kernel(const uint8_t* wp, const float* sc, const float* mn, const int8_t* xq, const float* s,
+                        const float* xs, int64_t K, float* out) {
+  const int64_t G = K / GROUP;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i m0f = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i w[8];
+    if constexpr (BITS == 4) {
+      const uint8_t* p = wp + g * 4 * CHUNK;
+      for (int v = 0; v < 4; ++v) {
+        __m512i b = _mm512_loadu_si512(p + v * CHUNK);
+        w[v] = _mm512_and_si512(b, m0f);
+        w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m0f);
+      }
+    } else {
+      const uint8_t* p = wp + g * 8 * CHUNK;
+      for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(p + c * CHUNK);
+    }
+    const __m512 d = _mm512_loadu_ps(sc + g * TILE);
+    const __m512 m = _mm512_loadu_ps(mn + g * TILE);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xr = xq + r * K + g * GROUP;
+      __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();
+      for (int c = 0; c < 8; c += 2) {
+        ia = _mm512_dpbusd_epi32(ia, w[c], _mm512_set1_epi32(load_i32(xr + 4 * c)));
+        ib = _mm512_dpbusd_epi32(ib, w[c + 1], _mm512_set1_epi32(load_i32(xr + 4 * c + 4)));
+      }
+      __m512 t = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_add_epi32(ia, ib)));
+      t = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]), t);
+      acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(s[r * G + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * TILE, acc[r]);
+}
+
+constexpr const char* ISA = "avx512-vnni";
+
+#elif defined(WQ_AVX2)
+constexpr int MAX_R = 4;
+
+// one half tile: 8 columns (bytes h * 32 .. h * 32 + 31 of every chunk)
+template <int R, int BITS>
+inline void half_kernel(const uint8_t* wp, const float* sc, const float* mn, const int8_t* xq, const float* s,
+                        const float* xs, int64_t K, float* out, int h) {
+  const int64_t G = K / GROUP;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i m0f = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i sixteen = _mm256_set1_epi16(16);
+  for (int64_t g = 0; g < G; ++g) {
+    // int16 sums of u4 x s8 pairs: |8 chunks x 2 x 15 x 127| = 30480 < 32768, so no saturation
+    __m256i lo16[R], hi16[R];
+    for (int r = 0; r < R; ++r) lo16[r] = hi16[r] = _mm256_setzero_si256();
+    if constexpr (BITS == 4) {
+      const uint8_t* p = wp + g * 4 * CHUNK + h * 32;
+      for (int v = 0; v < 4; ++v) {
+        __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + v * CHUNK));
+        __m256i wl = _mm256_and_si256(b, m0f);
+        __m256i wh = _mm256_and_si256(_mm256_srli_epi16(b, 4), m0f);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xq + r * K + g * GROUP;
+          lo16[r] = _mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(wl, _mm256_set1_epi32(load_i32(xr + 4 * v))));
+          hi16[r] = _mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(wh, _mm256_set1_epi32(load_i32(xr + 4 * v + 16))));
+        }
+      }
+    } else {
+      // 8 bits: split each weight byte into nibbles, q = 16 hi + lo, each a u4 x s8 product
+      const uint8_t* p = wp + g * 8 * CHUNK + h * 32;
+      for (int c = 0; c < 8; ++c) {
+        __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c * CHUNK));
+        __m256i wl = _mm256_and_si256(b, m0f);
+        __m256i wh = _mm256_and_si256(_mm256_srli_epi16(b, 4), m0f);
+        for (int r = 0; r < R; ++r) {
+          __m256i xv = _mm256_set1_epi32(load_i32(xq + r * K + g * GROUP + 4 * c));
+          lo16[r] = _mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(wl, xv));
+          hi16[r] = _mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(wh, xv));
+        }
+      }
+    }
+    const __m256 d = _mm256_loadu_ps(sc + g * TILE + h * 8);
+    const __m256 m = _mm256_loadu_ps(mn + g * TILE + h * 8);
+    for (int r = 0; r < R; ++r) {
+      __m256i isum = BITS == 4 ? _mm256_add_epi32(_mm256_madd_epi16(lo16[r], ones), _mm256_madd_epi16(hi16[r], ones))
+                               : _mm256_add_epi32(_mm256_madd_epi16(lo16[r], ones), _mm256_madd_epi16(hi16[r], sixteen));
+      __m256 t = _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum));
+      t = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * G + g]), t);
+      acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(s[r * G + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * TILE + h * 8, acc[r]);
+}
+
+template <int R, int BITS>
+inline void tile_kernel(const uint8_t* wp, const float* sc, const float* mn, const int8_t* xq, const float* s,
+                        const float* xs, int64_t K, float* out) {
+  half_kernel<R, BITS>(wp, sc, mn, xq, s, xs, K, out, 0);
+  half_kernel<R, BITS>(wp, sc, mn, xq, s, xs, K, out, 1);
+}
+
+constexpr const char* ISA = "avx2";
+
+#else
+constexpr int MAX_R = 4;
+
+template <int R, int BITS>
+inline void tile_kernel(const uint8_t* wp, const float* sc, const float* mn, const int8_t* xq, const float* s,
+                        const float* xs, int64_t K, float* out) {
+  const int64_t G = K / GROUP;
+  float acc[R][TILE];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < TILE; ++j) acc[r][j] = 0.0f;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* p = wp + g * group_bytes(BITS);
+    for (int j = 0; j < TILE; ++j) {
+      int32_t q[GROUP];
+      for (int kk = 0; kk < GROUP; ++kk) {
+        const int c = kk / 4, b = kk % 4;
+        if constexpr (BITS == 4) {
+          const uint8_t byte = p[(c % 4) * CHUNK + j * 4 + b];
+          q[kk] = c < 4 ? (byte & 0x0F) : (byte >> 4);
+        } else {
+          q[kk] = p[c * CHUNK + j * 4 + b];
+        }
+      }
+      const float d = sc[g * TILE + j], m = mn[g * TILE + j];
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq + r * K + g * GROUP;
+        int32_t isum = 0;
+        for (int kk = 0; kk < GROUP; ++kk) isum += q[kk] * static_cast<int32_t>(xr[kk]);
+        float t = d * static_cast<float>(isum);
+        t = std::fma(m, xs[r * G + g], t);
+        acc[r][j] = std::fma(t, s[r * G + g], acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < TILE; ++j) out[r * TILE + j] = acc[r][j];
+}
+
+constexpr const char* ISA = "scalar";
+#endif
+
+template <int BITS>
+void run_tile(int R, const uint8_t* wp, const float* sc, const float* mn, const int8_t* xq, const float* s,
+              const float* xs, int64_t K, float* out) {
+  switch (R) {
+#define WQ_CASE(n)                                                  \
+  case n:                                                           \
+    if constexpr (n <= MAX_R) {                                     \
+      tile_kernel<n, BITS>(wp, sc, mn, xq, s, xs, K, out);          \
+      return;                                                       \
+    }                                                               \
+    break;
+    WQ_CASE(1) WQ_CASE(2) WQ_CASE(3) WQ_CASE(4) WQ_CASE(5) WQ_CASE(6) WQ_CASE(7) WQ_CASE(8)
+#undef WQ_CASE
+    default:
+      break;
+  }
+  TORCH_CHECK(false, "wq_matmul: bad row tile ", R);
+}
+
+template <typename T>
+inline void store_row(T* dst, const float* src) {
+  for (int j = 0; j < TILE; ++j) dst[j] = static_cast<T>(src[j]);
+}
+
+at::Tensor wq_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
+                     int64_t bits, int64_t n) {
+  TORCH_CHECK(bits == 4 || bits == 8, "wq_matmul: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scales.device().is_cpu() && mins.device().is_cpu(),
+              "wq_matmul: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2, "wq_matmul: x must be [M, K], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "wq_matmul: x must be float32 or bfloat16, got ", x.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % GROUP == 0, "wq_matmul: K (", K, ") must be a multiple of ", GROUP);
+  TORCH_CHECK(n > 0 && n % TILE == 0, "wq_matmul: n (", n, ") must be a positive multiple of ", TILE);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "wq_matmul: packed must be contiguous uint8");
+  TORCH_CHECK(packed.numel() == n * K * bits / 8, "wq_matmul: packed has ", packed.numel(), " bytes, expected ",
+              n * K * bits / 8, " for n=", n, " K=", K, " bits=", bits);
+  const int64_t G = K / GROUP;
+  for (const at::Tensor* t : {&scales, &mins}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "wq_matmul: scales/mins must be contiguous float32");
+    TORCH_CHECK(t->numel() == n * G, "wq_matmul: scales/mins have ", t->numel(), " values, expected ", n * G);
+  }
+  auto y = at::empty({M, n}, x.options());
+  if (M == 0) return y;
+
+  // quantise the activations, row by row (each row on its own: row-invariant by construction)
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> s(M * G), xs(M * G);
+  const float* xp = xf.data_ptr<float>();
+  for (int64_t i = 0; i < M; ++i) quantize_row(xp + i * K, K, xq.data() + i * K, s.data() + i * G, xs.data() + i * G);
+
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* mp = mins.data_ptr<float>();
+  const int64_t tiles = n / TILE;
+  const int64_t tile_bytes = G * group_bytes(bits);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  void* yp = y.data_ptr();
+  // tasks of >= 64k weights: smaller ones cost more in fork/join than they save
+  const int64_t grain = std::max<int64_t>(1, (4096 + K - 1) / K);
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float out[MAX_R * TILE];
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* wt = wp + t * tile_bytes;
+      const float* st = sp + t * G * TILE;
+      const float* mt = mp + t * G * TILE;
+      for (int64_t i0 = 0; i0 < M; i0 += MAX_R) {
+        const int R = static_cast<int>(std::min<int64_t>(MAX_R, M - i0));
+        if (bits == 4)
+          run_tile<4>(R, wt, st, mt, xq.data() + i0 * K, s.data() + i0 * G, xs.data() + i0 * G, K, out);
+        else
+          run_tile<8>(R, wt, st, mt, xq.data() + i0 * K, s.data() + i0 * G, xs.data() + i0 * G, K, out);
+        for (int r = 0; r < R; ++r) {
+          if (bf16)
+            store_row(static_cast<c10::BFloat16*>(yp) + (i0 + r) * n + t * TILE, out + r * TILE);
+          else
+            store_row(static_cast<float*>(yp) + (i0 + r) * n + t * TILE, out + r * TILE);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// q: uint8 [N, K] (0..15 for bits 4, 0..255 for bits 8) -> packed uint8 [N / 16, K / 32, group bytes]
+at::Tensor wq_pack(const at::Tensor& q_in, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "wq_pack: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(q_in.dim() == 2, "wq_pack: q must be [N, K], got ", q_in.sizes());
+  const int64_t N = q_in.size(0), K = q_in.size(1);
+  TORCH_CHECK(N % TILE == 0, "wq_pack: N (", N, ") must be a multiple of ", TILE);
+  TORCH_CHECK(K % GROUP == 0, "wq_pack: K (", K, ") must be a multiple of ", GROUP);
+  const at::Tensor q = q_in.to(at::kByte).contiguous();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  if (bits == 4) TORCH_CHECK(q.max().item<uint8_t>() <= 15, "wq_pack: 4-bit values must lie in 0..15");
+  const int64_t G = K / GROUP, gb = group_bytes(bits);
+  auto out = at::zeros({N / TILE, G, gb}, q.options());
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / TILE, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t g = 0; g < G; ++g) {
+        uint8_t* dst = op + (t * G + g) * gb;
+        for (int64_t j = 0; j < TILE; ++j) {
+          const uint8_t* row = qp + (t * TILE + j) * K + g * GROUP;
+          for (int64_t kk = 0; kk < GROUP; ++kk) {
+            const int64_t c = kk / 4, b = kk % 4;
+            if (bits == 8)
+              dst[c * CHUNK + j * 4 + b] = row[kk];
+            else if (c < 4)
+              dst[c * CHUNK + j * 4 + b] = static_cast<uint8_t>((dst[c * CHUNK + j * 4 + b] & 0xF0) | row[kk]);
+            else
+              dst[(c - 4) * CHUNK + j * 4 + b] =
+                  static_cast<uint8_t>((dst[(c - 4) * CHUNK + j * 4 + b] & 0x0F) | (row[kk] << 4));
+          }
+        }
+      }
+  });
+  return out;
+}
+
+std::string wq_isa() { return ISA; }
+
+}  // namespace
+
+TORCH_LIBRARY(specdec_kernels, m) {
+  m.def("wq_matmul(Tensor x, Tensor packed, Tensor scales, Tensor mins, int bits, int n) -> Tensor");
+  m.def("wq_pack(Tensor q, int bits) -> Tensor");
+  m.def("wq_isa() -> str", &wq_isa);
+  m.impl("wq_matmul", c10::DispatchKey::CPU, TORCH_FN(wq_matmul));
+  m.impl("wq_pack", c10::DispatchKey::CPU, TORCH_FN(wq_pack));
+}

@@ -1,0 +1,144 @@
+"""The weight-only-quantised matmul kernel (specdec/models/kernels): it computes the Q4_1 / Q8 x
+int8-activation math it documents, a row's result is bitwise independent of the rows sharing the
+call, Q4_1-exact weights survive quantisation, and the op sits inside a torch.compile graph."""
+import pytest
+import torch
+
+from specdec.models import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"wq kernels unavailable: {kernels.unavailable_reason()}")
+
+
+def quantize_acts(x: torch.Tensor):
+    """The op's activation quantisation: per row and group of 32, s = max|x| / 127 (fp32),
+    xq = round-half-even(x / s), s = 0 -> xq = 0."""
+    m, k = x.shape
+    xg = x.float().reshape(m, k // 32, 32)
+    s = xg.abs().amax(-1, keepdim=True) / 127
+    xq = torch.where(s > 0, (xg / torch.where(s > 0, s, 1)).round(), 0).clamp(-127, 127)
+    return xq, s
+
+
+def reference(x, q, d, m):
+    """float64: sum over groups of d s sum(q xq) + m s sum(xq)."""
+    xq, s = quantize_acts(x)
+    n, k = q.shape
+    qg = q.double().reshape(n, k // 32, 32)
+    isum = torch.einsum("mgk,ngk->mng", xq.double(), qg)
+    xsum = xq.double().sum(-1)  # [M, G]
+    terms = s.double().squeeze(-1)[:, None, :] * (d.double()[None] * isum + m.double()[None] * xsum[:, None, :])
+    return terms.sum(-1), terms.abs().sum(-1)
+
+
+def make(bits, n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    raw = kernels.quantize_q4_raw(w) if bits == 4 else kernels.quantize_q8_raw(w)
+    return raw, kernels.pack(*raw, bits)
+
+
+def check(bits, n, k, ms, dtype, seed=0):
+    raw, (packed, scales, mins) = make(bits, n, k, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(max(ms), k, generator=g).to(dtype)
+    want_all, mag_all = reference(x, *raw)  # the reference's rows are independent
+    for mm in ms:
+        got = kernels.matmul(x[:mm], packed, scales, mins, bits, n)
+        assert got.dtype == dtype and got.shape == (mm, n)
+        want, mag = want_all[:mm], mag_all[:mm]
+        # fp32 accumulation over K / 32 groups; bfloat16 output rounding on top
+        tol = (2e-6 * (k // 32) ** 0.5 + 1e-6) * mag + (4e-3 * want.abs() if dtype == torch.bfloat16 else 0)
+        err = (got.double() - want).abs()
+        assert (err <= tol + 1e-30).all(), f"max err {err.max().item()} (bits={bits} n={n} k={k} m={mm} {dtype})"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(16, 64), (960, 576), (3072, 576), (576, 1536), (16, 1536)])
+def test_matches_the_reference_math(bits, dtype, n, k):
+    check(bits, n, k, [1, 2, 3, 4, 5, 6, 7, 8, 9, 16] if n * k <= 960 * 576 else [1, 5, 9, 16], dtype)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(48, 64), (960, 576), (144, 1536)])
+def test_a_rows_result_is_bitwise_independent_of_the_rows_beside_it(bits, dtype, n, k):
+    _, (packed, scales, mins) = make(bits, n, k)
+    x = (torch.randn(16, k) * torch.logspace(-3, 2, 16)[:, None]).to(dtype)
+    alone = torch.cat([kernels.matmul(x[i : i + 1], packed, scales, mins, bits, n) for i in range(16)])
+    for mm in range(1, 17):
+        for start in {0, 16 - mm}:
+            got = kernels.matmul(x[start : start + mm], packed, scales, mins, bits, n)
+            assert torch.equal(got, alone[start : start + mm]), f"m={mm} start={start}"
+
+
+def test_q4_1_exact_weights_round_trip():
+    g = torch.Generator().manual_seed(0)
+    n, k = 64, 128
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    d = torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-3
+    m = -8 * d + torch.randn(n, k // 32, 1, generator=g) * 1e-3
+    w = (d * q + m).reshape(n, k)
+    q2, d2, m2 = kernels.quantize_q4_raw(w)
+    assert torch.equal(q2, q.reshape(n, k).to(torch.uint8))
+    assert torch.allclose(kernels.dequantize(q2, d2, m2), w, rtol=0, atol=1e-6)
+    packed, scales, mins = kernels.pack(q2, d2, m2, 4)
+    assert torch.equal(kernels.unpack_params(scales), d2) and torch.equal(kernels.unpack_params(mins), m2)
+    x = torch.randn(3, k)
+    got = kernels.matmul(x, packed, scales, mins, 4, n)
+    assert torch.allclose(got, x @ w.t(), rtol=2e-2, atol=2e-2)  # int8 activations: ~1% error
+
+
+def test_q8_weights_dequantise_close():
+    w = torch.randn(32, 96)
+    q, d, m = kernels.quantize_q8_raw(w)
+    assert int(q.min()) >= 1 and int(q.max()) <= 255
+    assert (kernels.dequantize(q, d, m) - w).abs().max() <= d.max() / 2 + 1e-6
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_zero_and_constant_groups(bits):
+    n, k = 32, 128
+    w = torch.randn(n, k)
+    w[:, :32] = 0.0  # all-zero weight group
+    w[:, 32:64] = 0.25  # all-equal weight group
+    raw = kernels.quantize_q4_raw(w) if bits == 4 else kernels.quantize_q8_raw(w)
+    packed, scales, mins = kernels.pack(*raw, bits)
+    assert torch.allclose(kernels.dequantize(*raw)[:, :64], w[:, :64], atol=1e-6)
+    x = torch.randn(4, k)
+    x[0] = 0.0  # all-zero row
+    x[1, :32] = 0.0  # all-zero activation group
+    x[2, :32] = -1.5  # all-equal activation groups
+    x[2, 64:96] = 3.0
+    got = kernels.matmul(x, packed, scales, mins, bits, n)
+    want, mag = reference(x, *raw)
+    assert torch.equal(got[0], torch.zeros(n))
+    assert ((got.double() - want).abs() <= 1e-5 * mag + 1e-7).all()
+    alone = torch.cat([kernels.matmul(x[i : i + 1], packed, scales, mins, bits, n) for i in range(4)])
+    assert torch.equal(got, alone)
+
+
+def test_shape_errors_are_clear():
+    with pytest.raises(ValueError, match="% 16"):
+        kernels.quantize_q4(torch.randn(20, 64))
+    with pytest.raises(ValueError, match="% 32"):
+        kernels.quantize_q8(torch.randn(16, 40))
+    packed, scales, mins = kernels.quantize_q4(torch.randn(16, 64))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.specdec_kernels.wq_matmul(torch.randn(1, 48), packed, scales, mins, 4, 16)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.specdec_kernels.wq_matmul(torch.randn(1, 64), packed, scales, mins, 4, 8)
+    with pytest.raises(RuntimeError, match="expected"):
+        torch.ops.specdec_kernels.wq_matmul(torch.randn(1, 64), packed, scales, mins, 8, 16)
+
+
+def test_inside_a_compiled_graph():
+    packed, scales, mins = kernels.quantize_q4(torch.randn(64, 96))
+
+    def f(x):
+        return kernels.matmul(x * 2, packed, scales, mins, 4, 64) * 0.5  # exact scalings: same bits
+
+    x = torch.randn(3, 96).bfloat16()
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x), f(x))
