@@ -142,3 +142,39 @@ def test_inside_a_compiled_graph():
     x = torch.randn(3, 96).bfloat16()
     compiled = torch.compile(f, fullgraph=True, dynamic=False)
     assert torch.equal(compiled(x), f(x))
+
+
+# -- attention (attention.cpp): a token pass's per-token attention ----------------------------------
+
+def _attention_case(n_tokens: int, window: int = 0, softcap: float = 0.0, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    slots, heads, kv_heads, length, hd = 3, 6, 2, 130, 64
+    k_cache = torch.randn(slots, kv_heads, length, hd, generator=g).bfloat16()
+    v_cache = torch.randn(slots, kv_heads, length, hd, generator=g).bfloat16()
+    q = torch.randn(n_tokens, heads, hd, generator=g).bfloat16()
+    k = torch.randn(n_tokens, kv_heads, hd, generator=g).bfloat16()
+    v = torch.randn(n_tokens, kv_heads, hd, generator=g).bfloat16()
+    # two sequences: slot 2 at positions 100.., slot 0 at 7..
+    meta = torch.tensor([[2, 100 + i] for i in range(n_tokens - n_tokens // 2)] + [[0, 7 + i] for i in range(n_tokens // 2)])
+    return q, k, v, k_cache, v_cache, meta, window, hd**-0.5, softcap
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (16, 0.0), (0, 30.0)])
+def test_attention_kernel_matches_sdpa_and_writes_the_cache(window, softcap):
+    from specdec.models import token_pass
+
+    q, k, v, kc, vc, meta, w, scale, cap = _attention_case(7, window, softcap)
+    kc2, vc2 = kc.clone(), vc.clone()
+    ours = torch.ops.specdec_attention.attend_tokens(q, k, v, kc, vc, meta, w, scale, cap)
+    ref = token_pass.attend_tokens(q, k, v, kc2, vc2, meta, w, scale, cap)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert (ours.float() - ref.float()).abs().max().item() < 0.02
+
+
+def test_attention_kernel_is_batch_invariant():
+    q, k, v, kc, vc, meta, w, scale, cap = _attention_case(9)
+    together = torch.ops.specdec_attention.attend_tokens(q, k, v, kc.clone(), vc.clone(), meta, w, scale, cap)
+    for i in range(len(q)):  # each token alone, after the ones of its sequence before it
+        alone = torch.ops.specdec_attention.attend_tokens(q[: i + 1], k[: i + 1], v[: i + 1], kc.clone(), vc.clone(),
+                                                           meta[: i + 1], w, scale, cap)
+        assert torch.equal(alone[i], together[i])
