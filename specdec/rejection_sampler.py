@@ -20,6 +20,8 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
+from specdec.sampling import draw
+
 PLACEHOLDER_TOKEN_ID = -1
 
 
@@ -84,8 +86,8 @@ def _sampled(drafts: Tensor, q: Tensor | None, p: Tensor, gen: torch.Generator |
 
 def _draw(dist: Tensor, gen: torch.Generator | None, fallback: Tensor | None = None) -> Tensor:
     """[1] token from an unnormalized distribution; where it holds no finite positive mass, from
-    `fallback`, else its argmax: multinomial raises there, and a raise fails the pass of every
+    `fallback`, else its argmax: drawing from it would be meaningless, and a raise fails the pass of every
     sequence in the batch."""
     if not 0.0 < float(dist.sum()) < float("inf"):
         return _draw(fallback, gen) if fallback is not None else dist.nan_to_num(nan=-1.0).argmax().view(1)
-    return torch.multinomial(dist, 1, generator=gen)
+    return draw(dist, gen)

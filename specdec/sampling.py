@@ -64,14 +64,44 @@ def logits_to_probs(logits: Tensor, p: SamplingParams) -> Tensor:
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if p.top_p < 1.0:
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
-        # drop a token when the mass strictly before it already reaches top_p (the first always stays)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = top_p_filter(probs, p.top_p)
     # elementwise, not `if broken.any()`: a host sync per call would stall a GPU verifier's pass
     return torch.where(torch.isfinite(probs).all(dim=-1, keepdim=True), probs, 1.0 / probs.shape[-1])
+
+
+NUCLEUS_FIRST_TRY = 256  # top-p looks for the nucleus among this many likeliest tokens first
+
+
+def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
+    """Keep the smallest set of likeliest tokens whose mass reaches top_p, renormalised: a token is
+    dropped when the mass strictly before it already reaches top_p (the first always stays).
+    On CPU the nucleus is first looked for among the NUCLEUS_FIRST_TRY likeliest tokens, which
+    holds it nearly always: sorting a 49k vocabulary cost 3 ms a token here, more than a
+    quarter of a decoding step. (On a GPU the full sort is cheap, and the check would wait on it.)"""
+    k = probs.shape[-1] if probs.is_cuda else min(NUCLEUS_FIRST_TRY, probs.shape[-1])
+    sorted_p, idx = probs.topk(k, dim=-1)  # descending
+    before = sorted_p.cumsum(-1) - sorted_p
+    if k < probs.shape[-1] and not bool((before[..., -1] >= top_p).all()):
+        return top_p_filter_sorted(probs, top_p)
+    sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+    out = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    return out / out.sum(-1, keepdim=True)
+
+
+def top_p_filter_sorted(probs: Tensor, top_p: float) -> Tensor:
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    sorted_p = sorted_p.masked_fill((sorted_p.cumsum(-1) - sorted_p) >= top_p, 0.0)
+    out = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    return out / out.sum(-1, keepdim=True)
+
+
+def draw(dist: Tensor, gen: torch.Generator | None) -> Tensor:
+    """[1] index drawn with probability dist[i] / sum(dist) (dist [V], non-negative, some mass):
+    inverse CDF over a float64 running sum, one uniform number. torch.multinomial took 1.4 ms a
+    token over a 49k vocabulary here; this takes a tenth of that, and never picks a zero."""
+    c = dist.double().cumsum(0)
+    u = torch.rand(1, generator=gen, dtype=torch.float64, device=dist.device) * c[-1]
+    return torch.searchsorted(c, u, right=True).clamp_(max=len(dist) - 1)
 
 
 def round_generator(seed: int, position: int, stream: str, device="cpu") -> torch.Generator:

@@ -61,3 +61,26 @@ def test_tiny_temperature_in_a_batch_with_a_sampled_request(tiny_target, tiny_to
     want = make_engine(tiny_target, draft=tiny_target, k=3, tok=tiny_tok).generate(
         prompts[:1], SamplingParams(max_tokens=12, ignore_eos=True))
     assert got[0].token_ids == want[0].token_ids and len(got[1].token_ids) == 12
+
+
+def test_top_p_from_the_likeliest_tokens_equals_the_full_sort():
+    """The nucleus found among the top NUCLEUS_FIRST_TRY tokens, or (flat rows) by the full sort,
+    is the one the full sort finds."""
+    from specdec.sampling import top_p_filter, top_p_filter_sorted
+
+    g = torch.Generator().manual_seed(0)
+    for scale in (8.0, 3.0, 0.1):  # peaked (nucleus in the top 256) ... flat (the fallback)
+        probs = torch.softmax(torch.randn(4, 5000, generator=g) * scale, dim=-1)
+        for top_p in (0.5, 0.9, 0.99):
+            assert torch.allclose(top_p_filter(probs, top_p), top_p_filter_sorted(probs, top_p), atol=0, rtol=1e-6)
+
+
+def test_draw_follows_the_distribution_and_never_picks_a_zero():
+    from specdec.sampling import draw
+
+    dist = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.0])
+    g = torch.Generator().manual_seed(1)
+    picks = torch.cat([draw(dist, g) for _ in range(4000)])
+    counts = torch.bincount(picks, minlength=5)
+    assert counts[0] == counts[2] == counts[4] == 0
+    assert abs(counts[1].item() / 4000 - 0.75) < 0.03

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.models.llama import RMSNorm, Transformer
+from specdec.models.llama import Linear, RMSNorm, Transformer
 
 WEIGHTS = "draft_head.safetensors"
 CONFIG = "config.json"
@@ -76,6 +76,7 @@ class DraftHead(nn.Module):
         self.register_buffer("norm_weight", torch.empty(0), persistent=False)  # [dim]
         self.register_buffer("head_weight", torch.empty(0), persistent=False)  # [Vd, dim]
         self.verifier_eps = 1e-5
+        self.head_q8: Linear | None = None  # the draft-vocab LM head rows in 8 bits (quantize_int8)
 
     # -- verifier parts ------------------------------------------------------------------------
     @torch.no_grad()
@@ -93,7 +94,28 @@ class DraftHead(nn.Module):
         self.norm_weight = verifier.norm.weight.detach()
         self.head_weight = verifier.lm_head.weight.detach()[self.vocab_ids].contiguous()
         self.verifier_eps = a.norm_eps
+        if getattr(verifier.lm_head, "_wq", None) is not None:  # an int4 verifier on specdec's kernels
+            self.quantize_int8()
         return self
+
+    @torch.no_grad()
+    def quantize_int8(self) -> None:
+        """Multiply in 8 bits per group of 32 (models.kernels), as the verifier's LM head does: a
+        drafting step reads the head's ~11 M weights once per token, and in bfloat16 that step cost
+        a fifth of a verifier pass here, more than the drafts it made saved."""
+        def q8(lin: nn.Linear | None, weight: Tensor | None = None) -> Linear:
+            w = lin.weight if lin is not None else weight  # [out, in]
+            out = Linear(w.shape[1], w.shape[0], bias=lin is not None and lin.bias is not None).to(w.dtype)
+            out.weight_t.copy_(w.t())
+            if out.bias is not None:
+                out.bias.copy_(lin.bias)
+            out.quantize_int8()
+            return out
+
+        self.fc = q8(self.fc)
+        for blk in self.blocks:
+            blk.w13, blk.w2 = q8(blk.w13), q8(blk.w2)
+        self.head_q8 = q8(None, self.head_weight)
 
     # -- compute -------------------------------------------------------------------------------
     def forward(self, feature: Tensor, token: Tensor) -> Tensor:
@@ -108,7 +130,7 @@ class DraftHead(nn.Module):
     def draft_logits(self, feature: Tensor) -> Tensor:
         """Verifier final norm + LM head over the draft vocab: [..., dim] -> [..., Vd]."""
         x = F.rms_norm(feature, (feature.shape[-1],), self.norm_weight, self.verifier_eps)
-        return F.linear(x, self.head_weight)
+        return F.linear(x, self.head_weight) if self.head_q8 is None else self.head_q8(x)
 
     def num_trained_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -5,7 +5,7 @@ import torch
 
 from specdec.models.runner import ModelRunner
 from specdec.protocol import Proposal, ProposeRequest
-from specdec.sampling import logits_to_probs, round_generator
+from specdec.sampling import draw, logits_to_probs, round_generator
 
 
 class DraftModelProposer:
@@ -43,7 +43,7 @@ class DraftModelProposer:
                     tok = argmax[row]
                 else:
                     q = logits_to_probs(logits[row : row + 1], p)[0]  # [V]
-                    tok = int(torch.multinomial(q, 1, generator=gens[i]))
+                    tok = int(draw(q, gens[i]))
                     probs[i].append(q)
                 out[i].token_ids.append(tok)
                 next_tokens.append(tok)

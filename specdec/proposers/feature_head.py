@@ -14,7 +14,7 @@ import torch
 from specdec.models.draft_head import DraftHead
 from specdec.models.llama import Transformer
 from specdec.protocol import Proposal, ProposeRequest
-from specdec.sampling import logits_to_probs, round_generator
+from specdec.sampling import draw, logits_to_probs, round_generator
 
 SHIPPED_HEAD_DIR = Path(__file__).resolve().parent.parent / "weights" / "draft_head"
 
@@ -65,7 +65,7 @@ class FeatureHeadProposer:
                 full = logits.new_full((1, V), float("-inf"))
                 full[0, vocab_ids] = logits[row]
                 q = logits_to_probs(full, params[row])[0]  # [V], zero outside the draft vocab
-                nxt[row] = torch.multinomial(q, 1, generator=gens[row])[0]
+                nxt[row] = draw(q, gens[row])[0]
                 probs[i].append(q)
             for row, i in enumerate(live):
                 if step < ks[row]:
