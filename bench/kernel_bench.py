@@ -11,6 +11,7 @@ repeats one weight (cache-hot)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="KxN,KxN,...")
     ap.add_argument("--cold", action="store_true", help="read weights from memory, not cache")
     ap.add_argument("--cold-bytes", type=float, default=4e8, help="bytes of weight copies per method with --cold")
+    ap.add_argument("--out", default=None, help="also write the table as JSON here (e.g. bench/results/kernels.json)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not kernels.load():
@@ -76,12 +78,18 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, wq path {kernels.isa()}, "
           f"{'cold (weights cycled through ~%.0f MB of copies)' % (args.cold_bytes / 1e6) if args.cold else 'hot (one weight, cached)'}")
     print(f"{'K->N':>12} {'M':>3} " + " ".join(f"{c + ' ms':>13}" for c in cols) + f" {'wq4/int4':>9} {'wq4 M/M1':>9}")
+    rows = []
     for k, n in shapes:
         for m in MS:
             row = {c: cells[(k, n, m, c)][2] for c in cols}
             base = cells[(k, n, 1, "wq4")][2]
+            rows.append({"k": k, "n": n, "m": m, **{c + "_ms": round(row[c], 4) for c in cols}})
             print(f"{f'{k}->{n}':>12} {m:>3} " + " ".join(f"{row[c]:>13.4f}" for c in cols)
                   + f" {row['wq4'] / row['torch_int4']:>9.2f} {row['wq4'] / base:>9.2f}")
+    if args.out:
+        meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "wq_path": kernels.isa(),
+                "cold": args.cold}
+        Path(args.out).write_text(json.dumps({"config": meta, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
