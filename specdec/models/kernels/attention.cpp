@@ -125,7 +125,49 @@ void attend_one(const float* q, const uint16_t* k, const uint16_t* v, int64_t n,
   for (int64_t d = 0; d < hd; ++d) out[d] *= inv;
 }
 
-constexpr int64_t GRAIN = 4;  // (token, head) tasks per thread at least: waking a thread costs more than one
+// G query heads q [G][hd] that share one key/value head (GQA), over keys/values [n, hd] ->
+// out [G][hd]; scores [G][n] scratch. Each head's arithmetic is attend_one's, op for op; the keys
+// and values are only loaded and widened once for all G.
+void attend_group(const float* q, int64_t G, const uint16_t* k, const uint16_t* v, int64_t n, int64_t hd,
+                  float scale, float softcap, float* scores, float* out) {
+#if defined(__AVX512F__)
+  if (hd % 16 == 0 && hd <= 256) {
+    const int64_t nv = hd / 16;
+    __m512 w[16];
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t c = 0; c < nv; ++c) w[c] = load16(k + j * hd + c * 16);
+      for (int64_t h = 0; h < G; ++h) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < nv; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * hd + c * 16), w[c], acc);
+        float sc = _mm512_reduce_add_ps(acc) * scale;
+        if (softcap > 0.f) sc = std::tanh(sc / softcap) * softcap;
+        scores[h * n + j] = sc;
+      }
+    }
+    std::vector<float> inv(G);
+    for (int64_t h = 0; h < G; ++h) {
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) mx = scores[h * n + j] > mx ? scores[h * n + j] : mx;
+      inv[h] = 1.f / exp_shifted(scores + h * n, n, mx);
+      for (int64_t d = 0; d < hd; ++d) out[h * hd + d] = 0.f;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t c = 0; c < nv; ++c) w[c] = load16(v + j * hd + c * 16);
+      for (int64_t h = 0; h < G; ++h) {
+        const __m512 p = _mm512_set1_ps(scores[h * n + j]);
+        float* o = out + h * hd;
+        for (int64_t c = 0; c < nv; ++c)
+          _mm512_storeu_ps(o + c * 16, _mm512_fmadd_ps(p, w[c], _mm512_loadu_ps(o + c * 16)));
+      }
+    }
+    for (int64_t h = 0; h < G; ++h)
+      for (int64_t d = 0; d < hd; ++d) out[h * hd + d] *= inv[h];
+    return;
+  }
+#endif
+  for (int64_t h = 0; h < G; ++h) attend_one(q + h * hd, k, v, n, hd, hd, scale, softcap, scores, out + h * hd);
+}
+
 
 }  // namespace
 
@@ -162,18 +204,23 @@ at::Tensor attend_tokens(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  at::parallel_for(0, N * H, GRAIN, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(longest), qf(hd), of(hd);
+  auto tasks = [&](int64_t begin, int64_t end) {  // task t: token t / Hkv, key/value head t % Hkv
+    std::vector<float> scores(group * longest), qf(group * hd), of(group * hd);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t i = t / H, h = t % H;
+      const int64_t i = t / Hkv, g = t % Hkv;
       const int64_t s = m[2 * i], p = m[2 * i + 1];
       const int64_t lo = window > 0 ? std::max<int64_t>(0, p + 1 - window) : 0;
-      for (int64_t d = 0; d < hd; ++d) qf[d] = bf16_to_float(qp[t * hd + d]);
-      const int64_t base = s * slot_stride + (h / group) * head_stride + lo * hd;
-      attend_one(qf.data(), kc + base, vc + base, p + 1 - lo, hd, hd, sc, cap, scores.data(), of.data());
-      for (int64_t d = 0; d < hd; ++d) op[t * hd + d] = float_to_bf16(of[d]);
+      const uint16_t* qi = qp + (i * H + g * group) * hd;  // this token's query heads g * group ..
+      for (int64_t d = 0; d < group * hd; ++d) qf[d] = bf16_to_float(qi[d]);
+      const int64_t base = s * slot_stride + g * head_stride + lo * hd;
+      attend_group(qf.data(), group, kc + base, vc + base, p + 1 - lo, hd, sc, cap, scores.data(), of.data());
+      uint16_t* oi = op + (i * H + g * group) * hd;
+      for (int64_t d = 0; d < group * hd; ++d) oi[d] = float_to_bf16(of[d]);
     }
-  });
+  };
+  // always across the thread team, even for one token: run inline, a small call left the team's
+  // threads to fall asleep, and waking them for the next matmul cost a 1-token pass ~3 ms here
+  at::parallel_for(0, N * Hkv, 1, tasks);
   return out;
 }
 
