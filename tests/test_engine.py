@@ -349,7 +349,7 @@ def test_prompt_logprobs_equal_a_fresh_recompute_and_leave_the_prompt_cached(tin
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=19, ignore_eos=True),
-                                    SamplingParams(max_tokens=19, ignore_eos=True, temperature=0.9, seed=3)])
+                                    SamplingParams(max_tokens=19, ignore_eos=True, temperature=0.9, seed=5)])
 def test_drafts_then_plain_steps_in_one_call_equal_separate_rounds(tiny_target, params):
     """A probe riding along a multi-step call: one pass verifies some sequences' drafts, then
     every sequence decodes plain steps from where it stands (a verified one after its accepted

@@ -134,7 +134,9 @@ def summarize_row(row: str, runs: list[dict], base: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in runs)
     secs = sum(r["seconds"] for r in runs)
     tps = [r["tokens"] / r["seconds"] for r in runs if r["seconds"] > 0]
-    speed = [(r["tokens"] / r["seconds"]) / (b["tokens"] / b["seconds"]) for r, b in zip(runs, base)]
+    # a prompt answered with nothing (EOS first: tiny random models, some sampled draws) has no speed
+    speed = [(r["tokens"] / r["seconds"]) / (b["tokens"] / b["seconds"]) for r, b in zip(runs, base)
+             if r["tokens"] and b["tokens"] and r["seconds"] > 0 and b["seconds"] > 0] or [float("nan")]
     out = {"row": row, "n": len(runs), "tokens": tokens,
            "tokens_per_s": tokens / secs, "tokens_per_s_median": st.median(tps),
            "tokens_per_s_iqr": _iqr(tps), "ms_per_token": 1000 * secs / max(tokens, 1),
