@@ -53,7 +53,9 @@ def main() -> None:
     runner = ModelRunner(model, 2, 1024, prefix_caching=False)
     with torch.no_grad():
         out = {"dtype": a.dtype, "threads": a.threads, "torch": torch.__version__,
-               "passes": {t: profile_pass(runner, t, a.reps) for t in (1, 5)}}
+               # the fastest of three profiles: this VM's speed drifts by tens of percent over minutes
+               "passes": {t: min((profile_pass(runner, t, a.reps) for _ in range(3)), key=lambda p: p["ms_per_pass"])
+                          for t in (1, 5)}}
     path = ROOT / "bench" / "results" / "pass-profile.json"
     path.write_text(json.dumps(out, indent=1))
     print(json.dumps(out, indent=1))

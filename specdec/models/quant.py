@@ -1,15 +1,18 @@
-"""Weight-only int4 (gpt-fast's int4 path), on torch's own CPU kernel: a 1-token pass reads its
-weights once, so bytes per weight set its speed, and the default verifier ships as a 4-bit GGUF
-(Q4_1: per 32 weights a scale d and a minimum m, w = d q + m, q in 0..15) anyway.
+"""Weight-only int4 (gpt-fast's int4 path): a 1-token pass reads its weights once, so bytes per
+weight set its speed, and the default verifier ships as a 4-bit GGUF (Q4_1: per 32 weights a
+scale d and a minimum m, w = d q + m, q in 0..15) anyway.
+
+`quantize_model` picks the kernel: specdec's own (models.kernels: int8 activations, as llama.cpp
+computes Q4_1, nearly flat in rows) where it builds, else torch's `_weight_int4pack_mm_for_cpu`
+below (bfloat16 activations; its cost grows with each row). Either computes each row of a matmul
+on its own, which is what keeps speculative greedy output equal to plain greedy output in this
+precision (tests/test_quant.py, tests/test_kernels.py).
 
 Weights are quantised the way Q4_1 stores them, asymmetric per group of 32 along the input: a
 de-quantised Q4_1 group has its minimum at q = 0 and its maximum at q = 15, so re-quantising it
-finds the same q, d and m; the kernel keeps d and m + 8 d (its zero point) in bfloat16, the
-activations' dtype. torch's kernel computes each row of a matmul on its own (a row's result does
-not depend on how many rows share the call: checked in tests/test_quant.py), which is what keeps
-speculative greedy output equal to plain greedy output in this precision. With float32
-activations the kernel has no fast path (5-40x slower than float32 F.linear here), so int4 runs
-with bfloat16 activations."""
+finds the same q, d and m. torch's kernel keeps d and m + 8 d (its zero point) in bfloat16, the
+activations' dtype; with float32 activations it has no fast path (5-40x slower than float32
+F.linear here)."""
 from __future__ import annotations
 
 import torch
@@ -65,12 +68,11 @@ def matmul(x: Tensor, packed: Tensor, scales_zeros: Tensor, group: int = GROUP) 
 
 
 def quantize_model(model: torch.nn.Module, compiled: bool = True) -> int:
-    """Quantise the decoder blocks' Linears in place and make the model's passes batch-invariant
-    (models.token_pass; compiled unless `compiled` is False); returns how many Linears. The LM
-    head stays bfloat16: GGUFs keep it (or the tied embedding) at 8 bits or more, and int4 groups
-    of 32 re-quantising it cost answers their quality (the default verifier named the wrong
-    capital of France); torch's bfloat16 matmul on it computes each row on its own too
-    (tests/test_quant.py)."""
+    """Quantise the decoder blocks' Linears in place to 4 bits (specdec's kernel where it builds,
+    else torch's), the LM head to 8 bits where specdec's kernel serves it (else it stays
+    bfloat16: int4 groups of 32 re-quantising it cost answers their quality), and make the
+    model's passes batch-invariant (models.token_pass; compiled unless `compiled` is False).
+    Returns how many block Linears."""
     from specdec.models.layers import DecoderBlock, Linear
 
     if not available():

@@ -119,9 +119,9 @@ def _check_shape(n: int, k: int) -> None:
 
 
 def pack_params(p: Tensor) -> Tensor:
-    """Per-(column, group) values [N, K / 32] -> the kernel's layout, fp32 [N / 16, K / 32, 16]."""
+    """Per-(column, group) values [N, K / 32] -> the kernel's layout, fp16 [N / 16, K / 32, 16]."""
     n, g = p.shape
-    return p.float().reshape(n // TILE, TILE, g).transpose(1, 2).contiguous()
+    return p.half().reshape(n // TILE, TILE, g).transpose(1, 2).contiguous()
 
 
 def unpack_params(p: Tensor) -> Tensor:
@@ -131,14 +131,20 @@ def unpack_params(p: Tensor) -> Tensor:
 
 
 def quantize_q4_raw(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """weight [N, K] -> (q uint8 [N, K] in 0..15, d [N, K/32], m [N, K/32]), Q4_1: w ~ d q + m."""
+    """weight [N, K] -> (q uint8 [N, K] in 0..15, d [N, K/32], m [N, K/32]), Q4_1: w ~ d q + m,
+    with d and m float16 values (float32 tensors), as GGUF stores them."""
     n, k = weight.shape
     _check_shape(n, k)
     w = weight.detach().float().reshape(n, k // GROUP, GROUP)
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    d = ((hi - lo) / 15).clamp(min=1e-10)  # a constant group: any scale, q = 0
-    q = ((w - lo) / d).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
-    return q, d.squeeze(-1), lo.squeeze(-1)
+    d, m = _fp16((hi - lo) / 15), _fp16(lo)  # as the kernel stores them; q is found against these
+    q = torch.where(d > 0, (w - m) / torch.where(d > 0, d, 1), 0).round().clamp(0, 15)  # d = 0: a constant group
+    return q.to(torch.uint8).reshape(n, k), d.squeeze(-1), m.squeeze(-1)
+
+
+def _fp16(x: Tensor) -> Tensor:
+    """x rounded to float16's values (kept float32)."""
+    return x.half().float()
 
 
 def quantize_q8_raw(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -146,7 +152,7 @@ def quantize_q8_raw(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     n, k = weight.shape
     _check_shape(n, k)
     w = weight.detach().float().reshape(n, k // GROUP, GROUP)
-    d = w.abs().amax(-1, keepdim=True) / 127
+    d = _fp16(w.abs().amax(-1, keepdim=True) / 127)
     q = torch.where(d > 0, w / torch.where(d > 0, d, 1), 0).round().clamp(-127, 127) + 128
     return q.to(torch.uint8).reshape(n, k), d.squeeze(-1), (-128 * d).squeeze(-1)
 

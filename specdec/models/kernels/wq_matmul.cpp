@@ -17,10 +17,12 @@
 //   8 bits: 8 chunks per group (k = 4c .. 4c + 3 in chunk c), 512 bytes per group.
 //   4 bits: 4 chunks per group; byte's low nibble belongs to chunk v, high nibble to chunk v + 4,
 //   256 bytes per group.
-// Scales and mins: fp32 [N / 16 tiles][K / 32 groups][16].
+// Scales and mins: fp16 [N / 16 tiles][K / 32 groups][16], as GGUF stores them (a Q4_1 group is
+// 16 bytes of weights: fp32 scales and mins were a third of the bytes a pass reads).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -45,6 +47,8 @@ namespace {
 constexpr int64_t GROUP = 32;
 constexpr int64_t TILE = 16;
 constexpr int64_t CHUNK = 64;
+
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 inline int64_t group_bytes(int64_t bits) { return bits == 4 ? 4 * CHUNK : 8 * CHUNK; }
 
@@ -104,7 +108,7 @@ void quantize_row(const float* x, int64_t K, int8_t* xq, float* s, float* xs) {
 constexpr int MAX_R = 8;
 
 template <int R, int BITS>
-inline void tile_kernel(const uint8_t* wp, const float* sc, const float* mn, const int8_t* xq, const float* s,
+inline void tile_kernel(const uint8_t* wp, const uint16_t* sc, const uint16_t* mn, const int8_t* xq, const float* s,
                         const float* xs, int64_t K, float* out) {
   const int64_t G = K / GROUP;
   __m512 acc[R];
@@ -123,8 +127,8 @@ inline void tile_kernel(const uint8_t* wp, const float* sc, const float* mn, con
       const uint8_t* p = wp + g * 8 * CHUNK;
       for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(p + c * CHUNK);
     }
-    const __m512 d = _mm512_loadu_ps(sc + g * TILE);
-    const __m512 m = _mm512_loadu_ps(mn + g * TILE);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * TILE)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + g * TILE)));
     for (int r = 0; r < R; ++r) {
       const int8_t* xr = xq + r * K + g * GROUP;
       __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();
@@ -147,7 +151,7 @@ constexpr int MAX_R = 4;
 
 // one half tile: 8 columns (bytes h * 32 .. h * 32 + 31 of every chunk)
 template <int R, int BITS>
-inline void half_kernel(const uint8_t* wp, const float* sc, const float* mn, const int8_t* xq, const float* s,
+inline void half_kernel(const uint8_t* wp, const uint16_t* sc, const uint16_t* mn, const int8_t* xq, const float* s,
                         const float* xs, int64_t K, float* out, int h) {
   const int64_t G = K / GROUP;
   __m256 acc[R];
@@ -185,8 +189,8 @@ inline void half_kernel(const uint8_t* wp, const float* sc, const float* mn, con
         }
       }
     }
-    const __m256 d = _mm256_loadu_ps(sc + g * TILE + h * 8);
-    const __m256 m = _mm256_loadu_ps(mn + g * TILE + h * 8);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g * TILE + h * 8)));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g * TILE + h * 8)));
     for (int r = 0; r < R; ++r) {
       __m256i isum = BITS == 4 ? _mm256_add_epi32(_mm256_madd_epi16(lo16[r], ones), _mm256_madd_epi16(hi16[r], ones))
                                : _mm256_add_epi32(_mm256_madd_epi16(lo16[r], ones), _mm256_madd_epi16(hi16[r], sixteen));
@@ -199,7 +203,7 @@ inline void half_kernel(const uint8_t* wp, const float* sc, const float* mn, con
 }
 
 template <int R, int BITS>
-inline void tile_kernel(const uint8_t* wp, const float* sc, const float* mn, const int8_t* xq, const float* s,
+inline void tile_kernel(const uint8_t* wp, const uint16_t* sc, const uint16_t* mn, const int8_t* xq, const float* s,
                         const float* xs, int64_t K, float* out) {
   half_kernel<R, BITS>(wp, sc, mn, xq, s, xs, K, out, 0);
   half_kernel<R, BITS>(wp, sc, mn, xq, s, xs, K, out, 1);
@@ -211,7 +215,7 @@ constexpr const char* ISA = "avx2";
 constexpr int MAX_R = 4;
 
 template <int R, int BITS>
-inline void tile_kernel(const uint8_t* wp, const float* sc, const float* mn, const int8_t* xq, const float* s,
+inline void tile_kernel(const uint8_t* wp, const uint16_t* sc, const uint16_t* mn, const int8_t* xq, const float* s,
                         const float* xs, int64_t K, float* out) {
   const int64_t G = K / GROUP;
   float acc[R][TILE];
@@ -230,7 +234,7 @@ inline void tile_kernel(const uint8_t* wp, const float* sc, const float* mn, con
           q[kk] = p[c * CHUNK + j * 4 + b];
         }
       }
-      const float d = sc[g * TILE + j], m = mn[g * TILE + j];
+      const float d = half_to_float(sc[g * TILE + j]), m = half_to_float(mn[g * TILE + j]);
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = xq + r * K + g * GROUP;
         int32_t isum = 0;
@@ -249,7 +253,7 @@ constexpr const char* ISA = "scalar";
 #endif
 
 template <int BITS>
-void run_tile(int R, const uint8_t* wp, const float* sc, const float* mn, const int8_t* xq, const float* s,
+void run_tile(int R, const uint8_t* wp, const uint16_t* sc, const uint16_t* mn, const int8_t* xq, const float* s,
               const float* xs, int64_t K, float* out) {
   switch (R) {
 #define WQ_CASE(n)                                                  \
@@ -288,7 +292,7 @@ at::Tensor wq_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Te
               n * K * bits / 8, " for n=", n, " K=", K, " bits=", bits);
   const int64_t G = K / GROUP;
   for (const at::Tensor* t : {&scales, &mins}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "wq_matmul: scales/mins must be contiguous float32");
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous(), "wq_matmul: scales/mins must be contiguous float16");
     TORCH_CHECK(t->numel() == n * G, "wq_matmul: scales/mins have ", t->numel(), " values, expected ", n * G);
   }
   auto y = at::empty({M, n}, x.options());
@@ -302,8 +306,8 @@ at::Tensor wq_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Te
   for (int64_t i = 0; i < M; ++i) quantize_row(xp + i * K, K, xq.data() + i * K, s.data() + i * G, xs.data() + i * G);
 
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const auto* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   const int64_t tiles = n / TILE;
   const int64_t tile_bytes = G * group_bytes(bits);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -314,8 +318,8 @@ at::Tensor wq_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Te
     alignas(64) float out[MAX_R * TILE];
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* wt = wp + t * tile_bytes;
-      const float* st = sp + t * G * TILE;
-      const float* mt = mp + t * G * TILE;
+      const uint16_t* st = sp + t * G * TILE;
+      const uint16_t* mt = mp + t * G * TILE;
       for (int64_t i0 = 0; i0 < M; i0 += MAX_R) {
         const int R = static_cast<int>(std::min<int64_t>(MAX_R, M - i0));
         if (bits == 4)
