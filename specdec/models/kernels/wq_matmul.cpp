@@ -276,15 +276,15 @@ inline void store_row(T* dst, const float* src) {
   for (int j = 0; j < TILE; ++j) dst[j] = static_cast<T>(src[j]);
 }
 
-at::Tensor wq_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
-                     int64_t bits, int64_t n) {
+void check_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
+                int64_t bits, int64_t n) {
   TORCH_CHECK(bits == 4 || bits == 8, "wq_matmul: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scales.device().is_cpu() && mins.device().is_cpu(),
               "wq_matmul: CPU tensors only");
   TORCH_CHECK(x.dim() == 2, "wq_matmul: x must be [M, K], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "wq_matmul: x must be float32 or bfloat16, got ", x.scalar_type());
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t K = x.size(1);
   TORCH_CHECK(K % GROUP == 0, "wq_matmul: K (", K, ") must be a multiple of ", GROUP);
   TORCH_CHECK(n > 0 && n % TILE == 0, "wq_matmul: n (", n, ") must be a positive multiple of ", TILE);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "wq_matmul: packed must be contiguous uint8");
@@ -295,6 +295,12 @@ at::Tensor wq_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Te
     TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous(), "wq_matmul: scales/mins must be contiguous float16");
     TORCH_CHECK(t->numel() == n * G, "wq_matmul: scales/mins have ", t->numel(), " values, expected ", n * G);
   }
+}
+
+at::Tensor wq_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
+                     int64_t bits, int64_t n) {
+  check_args(x, packed, scales, mins, bits, n);
+  const int64_t M = x.size(0), K = x.size(1), G = K / GROUP;
   auto y = at::empty({M, n}, x.options());
   if (M == 0) return y;
 
