@@ -36,7 +36,7 @@ def attend_tokens(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Ten
     slots, pos = meta[:, 0], meta[:, 1]
     k_cache[slots, :, pos] = k
     v_cache[slots, :, pos] = v
-    n, heads, hd = q.shape
+    heads, hd = q.shape[1:]
     out = torch.empty_like(q)
     for i, (s, p) in enumerate(meta.tolist()):
         lo = max(0, p + 1 - window) if window > 0 else 0
@@ -49,7 +49,6 @@ def attend_tokens(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Ten
 # registered straight with the dispatcher (not torch.library.custom_op, whose autograd and
 # functionalisation wrappers cost ~100 us a call here: 3 ms of a 1-token pass's 30 calls)
 _LIB.impl("attend_tokens", attend_tokens, "CPU")
-_LIB.impl("attend_tokens", attend_tokens, "CUDA")
 
 
 @torch.library.register_fake("specdec::attend_tokens")
