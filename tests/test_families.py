@@ -138,6 +138,26 @@ def test_greedy_equals_transformers_generate_plain_and_speculative(pair):
             assert 0 < sum(x.num_accepted for x in m) < sum(x.num_drafted for x in m)  # both paths ran
 
 
+def test_int4_token_pass_speculative_greedy_equals_its_plain_greedy(pair):
+    """Each family's own parts (sliding windows, soft-capping, local rotary bases, q/k norms, post
+    norms) through the int4 token pass: speculative greedy equals plain greedy in that precision,
+    alone and in a ragged batch (passes of every shape must give a token the same hidden state)."""
+    import copy
+
+    from specdec.models import quant
+
+    if not quant.available():
+        pytest.skip("torch lacks its CPU int4 kernel")
+    name, _, ours = pair
+    model = copy.deepcopy(ours).to(quant.ACT_DTYPE)
+    quant.quantize_model(model, compiled=False)  # compiled invariance: tests/test_quant.py
+    draft = noisy_copy(ours, 0.3).to(quant.ACT_DTYPE)
+    prompts, params = _prompts(), SamplingParams(max_tokens=N_NEW, ignore_eos=True)
+    plain = [o.token_ids for o in _engine(model, 0).generate(prompts, params)]
+    assert _engine(model, 4, draft).generate(prompts[:1], params)[0].token_ids == plain[0], f"{name} alone"
+    assert [o.token_ids for o in _engine(model, 4, draft).generate(prompts, params)] == plain, f"{name} ragged"
+
+
 @pytest.mark.parametrize("rope", [
     {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 8192},  # Llama 3.1
