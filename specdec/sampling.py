@@ -83,15 +83,18 @@ def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
     before = sorted_p.cumsum(-1) - sorted_p
     if k < probs.shape[-1] and not bool((before[..., -1] >= top_p).all()):
         return top_p_filter_sorted(probs, top_p)
-    sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
-    out = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-    return out / out.sum(-1, keepdim=True)
+    return _nucleus(probs, sorted_p, idx, before, top_p)
 
 
 def top_p_filter_sorted(probs: Tensor, top_p: float) -> Tensor:
     sorted_p, idx = probs.sort(dim=-1, descending=True)
-    sorted_p = sorted_p.masked_fill((sorted_p.cumsum(-1) - sorted_p) >= top_p, 0.0)
-    out = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    return _nucleus(probs, sorted_p, idx, sorted_p.cumsum(-1) - sorted_p, top_p)
+
+
+def _nucleus(probs: Tensor, sorted_p: Tensor, idx: Tensor, before: Tensor, top_p: float) -> Tensor:
+    """The kept tokens (mass before them < top_p) of descending sorted_p at vocabulary ids idx,
+    scattered back over probs' shape and renormalised."""
+    out = torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(before >= top_p, 0.0))
     return out / out.sum(-1, keepdim=True)
 
 

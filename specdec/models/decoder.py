@@ -84,9 +84,7 @@ class Decoder(nn.Module):
             for layer, (kc, vc) in zip(self.layers, caches):
                 cos, sin = rope[layer.rope_kind]
                 x = layer(x, cos, sin, LayerKV(kc, vc, batch), batch.mask_for(layer.window), rows)
-        if rows is not None:  # back to [B, T, dim], padding as zeros
-            x = x.new_zeros(B * T, x.shape[-1]).index_copy_(0, rows, x).view(B, T, -1)
-        return x
+        return _padded(x, rows, B, T)
 
     def use_token_pass(self, compiled: bool) -> None:
         """Run every pass over the batch's real tokens only, row by row (models.token_pass):
@@ -106,10 +104,7 @@ class Decoder(nn.Module):
         for kind in self._rope_kinds:
             cos_t, sin_t = self.rope_tables(kind, batch.ctx, tokens.device, self.embed.weight.dtype)
             rope[kind] = (cos_t[pos], sin_t[pos])
-        x = self.token_pass(flat, torch.stack([slots, pos], 1), rope, caches)
-        if batch.rows is None:
-            return x.view(B, T, -1)
-        return x.new_zeros(B * T, x.shape[-1]).index_copy_(0, batch.rows, x).view(B, T, -1)
+        return _padded(self.token_pass(flat, torch.stack([slots, pos], 1), rope, caches), batch.rows, B, T)
 
     def token_forward(self, tokens: Tensor, meta: Tensor, rope: dict[str, tuple[Tensor, Tensor]],
                       caches: list[tuple[Tensor, Tensor]]) -> Tensor:
@@ -154,3 +149,11 @@ class Decoder(nn.Module):
         self.lm_head.weight_t.copy_(g("model.embed_tokens.weight" if a.tie_embeddings else "lm_head.weight").t())
         for i, blk in enumerate(self.layers):
             blk.load_hf(g, f"model.layers.{i}.")
+
+
+def _padded(x: Tensor, rows: Tensor | None, B: int, T: int) -> Tensor:
+    """A pass's real tokens' states ([N, dim], at `rows` of the flattened batch) back to [B, T, dim],
+    padding as zeros; x itself when every place is a real token."""
+    if rows is None:
+        return x.view(B, T, -1)
+    return x.new_zeros(B * T, x.shape[-1]).index_copy_(0, rows, x).view(B, T, -1)

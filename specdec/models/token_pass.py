@@ -15,7 +15,6 @@ so context lengths never reach a guard. Compiled code is cached under $SPECDEC_H
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -76,10 +75,6 @@ def attention_op(device: torch.device, dtype: torch.dtype):
     return torch.ops.specdec.attend_tokens
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_HOME", Path.home() / ".cache" / "specdec")) / "inductor"
-
-
 class TokenPass:
     """`model.token_forward` run eagerly or compiled; call with tokens [N], positions [N],
     meta [N, 2] (slot, position), rope {kind: (cos, sin) [N, hd]} and the caches."""
@@ -89,7 +84,9 @@ class TokenPass:
         w = model.embed.weight
         self.attention = attention_op(w.device, w.dtype)
         if compiled:
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
+            from specdec.models.default import specdec_home
+
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(specdec_home() / "inductor"))
             import torch._inductor.config as inductor_config
 
             inductor_config.size_asserts = False  # ~600 shape checks a call, ~0.4 ms of a 1-token pass

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 from pathlib import Path
 
@@ -45,12 +44,13 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    home = Path(os.environ.get("SPECDEC_HOME", Path.home() / ".cache" / "specdec"))
+    from specdec.models.default import specdec_home
+
     key = hashlib.sha256()
     for part in (*(f.read_bytes() for f in SOURCES), torch.__version__.encode(), _cpu_flags().encode(), " ".join(CFLAGS).encode()):
         key.update(part)
         key.update(b"\0")
-    return home / "kernels" / key.hexdigest()[:16]
+    return specdec_home() / "kernels" / key.hexdigest()[:16]
 
 
 def load(verbose: bool = False) -> bool:
