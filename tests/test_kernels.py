@@ -72,6 +72,23 @@ def test_a_rows_result_is_bitwise_independent_of_the_rows_beside_it(bits, dtype,
             assert torch.equal(got, alone[start : start + mm]), f"m={mm} start={start}"
 
 
+@pytest.mark.parametrize("n,k", [(48, 64), (960, 576), (144, 1536)])
+def test_amx_and_vnni_rows_give_the_same_bits(n, k):
+    """Several rows of 8-bit weights go through AMX where the machine has it; its sums are exact
+    and its fold is VNNI's, so either path gives the same bits (and the same as one row alone)."""
+    if "amx" not in torch.ops.specdec_kernels.wq_isa():
+        pytest.skip("no AMX-INT8 here")
+    _, (packed, scales, mins) = make(8, n, k)
+    x = (torch.randn(16, k) * torch.logspace(-3, 2, 16)[:, None]).bfloat16()
+    before = torch.ops.specdec_kernels.wq_allow_amx(False)
+    try:
+        vnni = [kernels.matmul(x[:mm], packed, scales, mins, 8, n) for mm in range(2, 17)]
+    finally:
+        torch.ops.specdec_kernels.wq_allow_amx(before)
+    for mm, want in zip(range(2, 17), vnni):
+        assert torch.equal(kernels.matmul(x[:mm], packed, scales, mins, 8, n), want), f"m={mm}"
+
+
 def test_q4_1_exact_weights_round_trip():
     g = torch.Generator().manual_seed(0)
     n, k = 64, 128
@@ -147,9 +164,9 @@ def test_inside_a_compiled_graph():
 
 # -- attention (attention.cpp): a token pass's per-token attention ----------------------------------
 
-def _attention_case(n_tokens: int, window: int = 0, softcap: float = 0.0, seed: int = 0):
+def _attention_case(n_tokens: int, window: int = 0, softcap: float = 0.0, seed: int = 0, hd: int = 64):
     g = torch.Generator().manual_seed(seed)
-    slots, heads, kv_heads, length, hd = 3, 6, 2, 130, 64
+    slots, heads, kv_heads, length = 3, 6, 2, 130
     k_cache = torch.randn(slots, kv_heads, length, hd, generator=g).bfloat16()
     v_cache = torch.randn(slots, kv_heads, length, hd, generator=g).bfloat16()
     q = torch.randn(n_tokens, heads, hd, generator=g).bfloat16()
@@ -160,11 +177,11 @@ def _attention_case(n_tokens: int, window: int = 0, softcap: float = 0.0, seed: 
     return q, k, v, k_cache, v_cache, meta, window, hd**-0.5, softcap
 
 
-@pytest.mark.parametrize("window,softcap", [(0, 0.0), (16, 0.0), (0, 30.0)])
-def test_attention_kernel_matches_sdpa_and_writes_the_cache(window, softcap):
+@pytest.mark.parametrize("window,softcap,hd", [(0, 0.0, 64), (16, 0.0, 64), (0, 30.0, 64), (0, 0.0, 96), (16, 0.0, 256)])
+def test_attention_kernel_matches_sdpa_and_writes_the_cache(window, softcap, hd):
     from specdec.models import token_pass
 
-    q, k, v, kc, vc, meta, w, scale, cap = _attention_case(7, window, softcap)
+    q, k, v, kc, vc, meta, w, scale, cap = _attention_case(7, window, softcap, hd=hd)
     kc2, vc2 = kc.clone(), vc.clone()
     ours = torch.ops.specdec_attention.attend_tokens(q, k, v, kc, vc, meta, w, scale, cap)
     ref = token_pass.attend_tokens(q, k, v, kc2, vc2, meta, w, scale, cap)
@@ -172,10 +189,18 @@ def test_attention_kernel_matches_sdpa_and_writes_the_cache(window, softcap):
     assert (ours.float() - ref.float()).abs().max().item() < 0.02
 
 
-def test_attention_kernel_is_batch_invariant():
-    q, k, v, kc, vc, meta, w, scale, cap = _attention_case(9)
-    together = torch.ops.specdec_attention.attend_tokens(q, k, v, kc.clone(), vc.clone(), meta, w, scale, cap)
-    for i in range(len(q)):  # each token alone, after the ones of its sequence before it
-        alone = torch.ops.specdec_attention.attend_tokens(q[: i + 1], k[: i + 1], v[: i + 1], kc.clone(), vc.clone(),
-                                                           meta[: i + 1], w, scale, cap)
-        assert torch.equal(alone[i], together[i])
+@pytest.mark.parametrize("n_tokens,window", [(9, 0), (21, 0), (21, 16)])
+def test_attention_kernel_is_batch_invariant(n_tokens, window):
+    """Tokens share key loads in runs of a slot's consecutive tokens (21: runs longer than one task
+    takes); a token's output is the same bits whatever run it falls in."""
+    q, k, v, kc, vc, meta, w, scale, cap = _attention_case(n_tokens, window)
+    kc_all, vc_all = kc.clone(), vc.clone()
+    together = torch.ops.specdec_attention.attend_tokens(q, k, v, kc_all, vc_all, meta, w, scale, cap)
+    for i in range(len(q)):
+        # last of a shorter call, after the ones of its sequence before it
+        prefix = torch.ops.specdec_attention.attend_tokens(q[: i + 1], k[: i + 1], v[: i + 1], kc.clone(), vc.clone(),
+                                                            meta[: i + 1], w, scale, cap)
+        # alone, its keys already cached: a 1-token decode step
+        alone = torch.ops.specdec_attention.attend_tokens(q[i : i + 1], k[i : i + 1], v[i : i + 1], kc_all.clone(),
+                                                           vc_all.clone(), meta[i : i + 1], w, scale, cap)
+        assert torch.equal(prefix[i], together[i]) and torch.equal(alone[0], together[i])

@@ -169,7 +169,229 @@ void attend_group(const float* q, int64_t G, const uint16_t* k, const uint16_t* 
 }
 
 
+
+#if defined(__AVX512F__)
+// ---- runs: a sequence's consecutive tokens share each key's load and conversion ----
+//
+// A verify pass's K + 1 tokens all read the same keys; a task takes a run of up to RUN tokens of one
+// slot with one key/value head's G query heads and reads each key block once for all of them. Each
+// query's arithmetic stays its own: keys in blocks of 16 aligned to absolute positions (a key's
+// partial sums always sit in the same lanes and go through the same reduction tree), its softmax
+// over exactly its own keys, its output summed over its keys in ascending order. So a token's
+// result is the same bits alone or in a run of any length.
+
+constexpr int64_t RUN = 8;     // tokens per task: a verify pass's K + 1, prefill in chunks
+constexpr int64_t BLOCK = 16;  // keys per block
+
+// a[0..15]: 16 vectors of partial sums -> lane j holds the sum of a[j]'s lanes, by one fixed tree
+inline __m512 sum16(__m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
+}
+
+struct Run {  // what one task reads and writes
+  const float* q;        // [Q][hd] fp32 queries, Q = T * G (token-major)
+  const int64_t* lo;     // [T] first key each token sees
+  const int64_t* hi;     // [T] one past its last key
+  const uint16_t *k, *v;  // this slot and head's keys/values [L][hd]
+  int64_t T, G, hd, L;
+  float scale, softcap;
+};
+
+// keys/values base .. base + 16 of [L][hd] bf16 -> fp32 [16][hd], rows past L zero
+inline void widen_block(const uint16_t* src, int64_t base, int64_t L, int64_t hd, float* dst) {
+  for (int64_t j = 0; j < BLOCK; ++j) {
+    float* d = dst + j * hd;
+    if (base + j >= L) {
+      std::memset(d, 0, hd * sizeof(float));
+      continue;
+    }
+    const uint16_t* s = src + (base + j) * hd;
+    for (int64_t c = 0; c < hd; c += 16) _mm512_storeu_ps(d + c, load16(s + c));
+  }
+}
+
+// scores[r][j - base] for every query r and every key j of the blocks it sees; NV = hd / 16
+template <int NV>
+void score_run(const Run& R, int64_t base, int64_t end, float* kf, float* scores, int64_t span) {
+  for (int64_t b0 = base; b0 < end; b0 += BLOCK) {
+    widen_block(R.k, b0, R.L, NV * 16, kf);
+    for (int64_t r = 0; r < R.T * R.G; ++r) {
+      const int64_t t = r / R.G;
+      if (R.hi[t] <= b0 || R.lo[t] >= b0 + BLOCK) continue;
+      __m512 q[NV], acc[BLOCK];
+      for (int c = 0; c < NV; ++c) q[c] = _mm512_loadu_ps(R.q + r * NV * 16 + c * 16);
+      for (int j = 0; j < BLOCK; ++j) {
+        acc[j] = _mm512_mul_ps(q[0], _mm512_loadu_ps(kf + j * NV * 16));
+        for (int c = 1; c < NV; ++c) acc[j] = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(kf + j * NV * 16 + c * 16), acc[j]);
+      }
+      float* out = scores + r * span + (b0 - base);
+      _mm512_storeu_ps(out, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(R.scale)));
+      if (R.softcap > 0.f)
+        for (int64_t j = 0; j < BLOCK; ++j) out[j] = std::tanh(out[j] / R.softcap) * R.softcap;
+    }
+  }
+}
+
+// o[h] += p[h][j] v[j] for j = j0 .. j1 - 1, h < heads (1 or 2): two heads at once keep twice the
+// independent sums in flight; each head's sum runs over the keys in the same order either way
+template <int NV>
+inline void weigh_block(const float* vf, const float* p, int64_t span, int64_t j0, int64_t j1, int heads, float* o) {
+  __m512 a[NV], a2[NV];
+  for (int c = 0; c < NV; ++c) a[c] = _mm512_loadu_ps(o + c * 16), a2[c] = _mm512_loadu_ps(o + (heads - 1) * NV * 16 + c * 16);
+  const float* p2 = p + (heads - 1) * span;
+  for (int64_t j = j0; j < j1; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]), pj2 = _mm512_set1_ps(p2[j]);
+    for (int c = 0; c < NV; ++c) {
+      const __m512 vj = _mm512_loadu_ps(vf + j * NV * 16 + c * 16);
+      a[c] = _mm512_fmadd_ps(pj, vj, a[c]);
+      a2[c] = _mm512_fmadd_ps(pj2, vj, a2[c]);
+    }
+  }
+  for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + (heads - 1) * NV * 16 + c * 16, a2[c]);
+  for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + c * 16, a[c]);
+}
+
+// out[r] = inv[r] * sum of p[r][j] v[j] over each query's keys, in ascending order
+template <int NV>
+void weigh_run(const Run& R, int64_t base, int64_t end, float* vf, const float* scores, int64_t span,
+               const float* inv, float* out) {
+  const int64_t Q = R.T * R.G;
+  for (int64_t i = 0; i < Q * NV * 16; ++i) out[i] = 0.f;
+  for (int64_t b0 = base; b0 < end; b0 += BLOCK) {
+    widen_block(R.v, b0, R.L, NV * 16, vf);
+    for (int64_t r = 0, heads; r < Q; r += heads) {
+      const int64_t t = r / R.G;
+      heads = r + 1 < Q && (r + 1) / R.G == t ? 2 : 1;  // a pair sees the same keys: one token's heads
+      const int64_t j0 = std::max(R.lo[t], b0) - b0, j1 = std::min(R.hi[t], b0 + BLOCK) - b0;
+      if (j0 < j1)
+        weigh_block<NV>(vf, scores + r * span + (b0 - base), span, j0, j1, static_cast<int>(heads), out + r * NV * 16);
+    }
+  }
+  for (int64_t r = 0; r < Q; ++r) {
+    const __m512 s = _mm512_set1_ps(inv[r]);
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + r * NV * 16 + c * 16, _mm512_mul_ps(_mm512_loadu_ps(out + r * NV * 16 + c * 16), s));
+  }
+}
+
+// the run's attention: out [Q][hd] fp32
+template <int NV>
+void attend_run(const Run& R, std::vector<float>& buf, float* out) {
+  const int64_t Q = R.T * R.G;
+  int64_t base = R.lo[0], end = R.hi[0];
+  for (int64_t t = 1; t < R.T; ++t) base = std::min(base, R.lo[t]), end = std::max(end, R.hi[t]);
+  base -= base % BLOCK;
+  const int64_t span = (end - base + BLOCK - 1) / BLOCK * BLOCK;
+  buf.resize(BLOCK * R.hd + Q * span + Q);
+  float *kf = buf.data(), *scores = kf + BLOCK * R.hd, *inv = scores + Q * span;
+  score_run<NV>(R, base, end, kf, scores, span);
+  for (int64_t r = 0; r < Q; ++r) {
+    const int64_t t = r / R.G;
+    float* s = scores + r * span + (R.lo[t] - base);
+    const int64_t n = R.hi[t] - R.lo[t];
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
+    inv[r] = 1.f / exp_shifted(s, n, mx);
+  }
+  weigh_run<NV>(R, base, end, kf, scores, span, inv, out);
+}
+#endif
+
 }  // namespace
+
+namespace {
+
+struct Pass {  // one call's shapes and pointers
+  const uint16_t *q, *kc, *vc;
+  uint16_t* out;
+  const int64_t* meta;  // [N][2] (slot, position)
+  int64_t N, H, Hkv, G, hd, L, window;
+  float scale, softcap;
+  int64_t base(int64_t i, int64_t g) const { return (meta[2 * i] * Hkv + g) * L * hd; }  // slot i's head g
+  int64_t lo(int64_t i) const { return window > 0 ? std::max<int64_t>(0, meta[2 * i + 1] + 1 - window) : 0; }
+};
+
+// token i's query heads of key/value head g -> fp32 [G][hd]
+inline void widen_queries(const Pass& P, int64_t i, int64_t g, float* dst) {
+  const uint16_t* qi = P.q + (i * P.H + g * P.G) * P.hd;
+  for (int64_t d = 0; d < P.G * P.hd; ++d) dst[d] = bf16_to_float(qi[d]);
+}
+
+inline void narrow_out(const Pass& P, int64_t i, int64_t g, const float* src) {
+  uint16_t* oi = P.out + (i * P.H + g * P.G) * P.hd;
+  for (int64_t d = 0; d < P.G * P.hd; ++d) oi[d] = float_to_bf16(src[d]);
+}
+
+// one task per (token, key/value head): any ISA
+void attend_per_token(const Pass& P, int64_t longest) {
+  at::parallel_for(0, P.N * P.Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(P.G * longest), qf(P.G * P.hd), of(P.G * P.hd);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t i = t / P.Hkv, g = t % P.Hkv, lo = P.lo(i), n = P.meta[2 * i + 1] + 1 - lo;
+      widen_queries(P, i, g, qf.data());
+      const int64_t b = P.base(i, g) + lo * P.hd;
+      attend_group(qf.data(), P.G, P.kc + b, P.vc + b, n, P.hd, P.scale, P.softcap, scores.data(), of.data());
+      narrow_out(P, i, g, of.data());
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+// one task per (run of a slot's consecutive tokens, key/value head)
+void attend_by_runs(const Pass& P) {
+  std::vector<int64_t> starts;  // run r: tokens starts[r] .. starts[r + 1]
+  for (int64_t i = 0; i < P.N; ++i)
+    if (i == 0 || P.meta[2 * i] != P.meta[2 * i - 2] || i - starts.back() == RUN) starts.push_back(i);
+  starts.push_back(P.N);
+  const int64_t runs = static_cast<int64_t>(starts.size()) - 1;
+  at::parallel_for(0, runs * P.Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf, qf(RUN * P.G * P.hd), of(RUN * P.G * P.hd);
+    int64_t lo[RUN], hi[RUN];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / P.Hkv, g = task % P.Hkv, i0 = starts[r], T = starts[r + 1] - i0;
+      for (int64_t t = 0; t < T; ++t) {
+        lo[t] = P.lo(i0 + t), hi[t] = P.meta[2 * (i0 + t) + 1] + 1;
+        widen_queries(P, i0 + t, g, qf.data() + t * P.G * P.hd);
+      }
+      const Run R{qf.data(), lo, hi, P.kc + P.base(i0, g), P.vc + P.base(i0, g), T, P.G, P.hd, P.L, P.scale, P.softcap};
+      switch (P.hd) {
+        case 64: attend_run<4>(R, buf, of.data()); break;
+        case 96: attend_run<6>(R, buf, of.data()); break;
+        case 128: attend_run<8>(R, buf, of.data()); break;
+        default: attend_run<16>(R, buf, of.data()); break;
+      }
+      for (int64_t t = 0; t < T; ++t) narrow_out(P, i0 + t, g, of.data() + t * P.G * P.hd);
+    }
+  });
+}
+#endif
+
+// write the pass's keys and values at their (slot, position); returns the longest context
+int64_t write_caches(const Pass& P, const uint16_t* kn, const uint16_t* vn, uint16_t* kc, uint16_t* vc, int64_t slots) {
+  int64_t longest = 0;
+  for (int64_t i = 0; i < P.N; ++i) {
+    const int64_t s = P.meta[2 * i], p = P.meta[2 * i + 1];
+    TORCH_CHECK(s >= 0 && s < slots && p >= 0 && p < P.L, "attend_tokens: slot or position out of range");
+    for (int64_t g = 0; g < P.Hkv; ++g) {
+      std::memcpy(kc + P.base(i, g) + p * P.hd, kn + (i * P.Hkv + g) * P.hd, P.hd * sizeof(uint16_t));
+      std::memcpy(vc + P.base(i, g) + p * P.hd, vn + (i * P.Hkv + g) * P.hd, P.hd * sizeof(uint16_t));
+    }
+    longest = std::max(longest, p + 1);
+  }
+  return longest;
+}
+
+}  // namespace
+
+inline const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
 // q [N, H, hd], k/v [N, Hkv, hd] (this pass's keys and values, written into the caches first),
 // k_cache/v_cache [slots, Hkv, L, hd], meta [N, 2] int64 (slot, position). All bfloat16 but meta.
@@ -182,45 +404,23 @@ at::Tensor attend_tokens(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_
   k = k.contiguous();
   v = v.contiguous();
   meta = meta.to(at::kLong).contiguous();
-  const int64_t N = q.size(0), H = q.size(1), hd = q.size(2), Hkv = k.size(1), L = k_cache.size(2);
-  const int64_t group = H / Hkv;
-  const int64_t* m = meta.data_ptr<int64_t>();
+  auto out = at::empty_like(q);
   auto* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>());
   auto* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>());
-  const auto* kn = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
-  const auto* vn = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  const int64_t slot_stride = Hkv * L * hd, head_stride = L * hd;
-  int64_t longest = 0;
-  for (int64_t i = 0; i < N; ++i) {
-    const int64_t s = m[2 * i], p = m[2 * i + 1];
-    TORCH_CHECK(s >= 0 && s < k_cache.size(0) && p >= 0 && p < L, "attend_tokens: slot or position out of range");
-    for (int64_t h = 0; h < Hkv; ++h) {
-      std::memcpy(kc + s * slot_stride + h * head_stride + p * hd, kn + (i * Hkv + h) * hd, hd * sizeof(uint16_t));
-      std::memcpy(vc + s * slot_stride + h * head_stride + p * hd, vn + (i * Hkv + h) * hd, hd * sizeof(uint16_t));
-    }
-    longest = std::max(longest, p + 1);
-  }
-  auto out = at::empty_like(q);
-  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  auto tasks = [&](int64_t begin, int64_t end) {  // task t: token t / Hkv, key/value head t % Hkv
-    std::vector<float> scores(group * longest), qf(group * hd), of(group * hd);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t i = t / Hkv, g = t % Hkv;
-      const int64_t s = m[2 * i], p = m[2 * i + 1];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, p + 1 - window) : 0;
-      const uint16_t* qi = qp + (i * H + g * group) * hd;  // this token's query heads g * group ..
-      for (int64_t d = 0; d < group * hd; ++d) qf[d] = bf16_to_float(qi[d]);
-      const int64_t base = s * slot_stride + g * head_stride + lo * hd;
-      attend_group(qf.data(), group, kc + base, vc + base, p + 1 - lo, hd, sc, cap, scores.data(), of.data());
-      uint16_t* oi = op + (i * H + g * group) * hd;
-      for (int64_t d = 0; d < group * hd; ++d) oi[d] = float_to_bf16(of[d]);
-    }
-  };
+  const int64_t H = q.size(1), Hkv = k.size(1);
+  const Pass P{bits(q), kc, vc, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), meta.data_ptr<int64_t>(),
+               q.size(0), H, Hkv, H / Hkv, q.size(2), k_cache.size(2), window, static_cast<float>(scale),
+               static_cast<float>(softcap)};
+  const int64_t longest = write_caches(P, bits(k), bits(v), kc, vc, k_cache.size(0));
   // always across the thread team, even for one token: run inline, a small call left the team's
   // threads to fall asleep, and waking them for the next matmul cost a 1-token pass ~3 ms here
-  at::parallel_for(0, N * Hkv, 1, tasks);
+#if defined(__AVX512F__)
+  if (P.hd == 64 || P.hd == 96 || P.hd == 128 || P.hd == 256) {  // the head sizes of the families served
+    attend_by_runs(P);
+    return out;
+  }
+#endif
+  attend_per_token(P, longest);
   return out;
 }
 
