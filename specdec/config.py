@@ -13,7 +13,7 @@ class EngineConfig(BaseModel):
     num_speculative_tokens: int = Field(8, ge=0, le=16, description="K drafts per round (with adaptive: the most it chooses); 0 = plain decoding.")
     adaptive: bool = Field(True, description="Choose K each round from measured acceptance, load and cost (0 when speculation does not pay).")
     device: str = Field("cpu", description="Torch device of the models: 'cpu', 'cuda', 'cuda:N' or 'auto'.")
-    dtype: str = Field("auto", description="Weights: 'auto' (int4 on CPUs with AVX512-BF16/AMX for models of 10M+ parameters, else float32), 'int4' (Q4_1 blocks and a Q8 LM head times int8-quantised activations, as llama.cpp computes; CPU), 'float32', 'bfloat16' or 'float16'.")
+    dtype: str = Field("auto", description="Weights: 'auto' (int4 for models of 10M+ parameters on CPUs with AVX2 or better, else float32), 'int4' (Q4_1 blocks and a Q8 LM head times int8-quantised activations, as llama.cpp computes; CPU), 'float32', 'bfloat16' or 'float16'.")
     enforce_eager: bool = Field(False, description="Run reduced-precision (int4) passes eagerly rather than compiled: starts faster (a first compile takes ~1 min, cached after), decodes slower.")
     max_seqs: int = Field(32, ge=1, description="KV-cache slots per model (sequences resident at once); least recently used ones are evicted beyond it.")
     max_model_len: int = Field(2048, ge=16, description="Context window: prompt + output tokens.")
