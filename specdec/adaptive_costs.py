@@ -13,6 +13,7 @@ import numpy as np
 VERIFY_PRIOR = (0.06, 0.01)  # s per one-pass call = a + b * tokens, until measured
 DRAFT_PRIOR = (0.002, 0.0015)  # s per draft call = a + c * K * B, until measured
 PLAIN_REFRESH_EVERY = 64  # choices after which a batch size's plain pass is measured afresh
+CURVE_FORGET = 64  # choices after which a verify-curve point not measured since is dropped
 EMA_WEIGHT = 0.3  # weight of a new measurement at its size
 
 
@@ -125,6 +126,7 @@ class Costs:
 
     def __init__(self):
         self.curves: dict[int, dict[int, float]] = {}  # batch -> tokens in the pass -> s per call (EMA)
+        self.curve_seen: dict[int, dict[int, int]] = {}  # batch -> tokens -> when (in choices) last measured
         self.plain: dict[int, float] = {}  # batch -> s per pass of a multi-step plain call (EMA)
         self.plain_seen: dict[int, int] = {}  # batch -> when (counted in choices) it was last measured
         self.draft = DraftCost(*DRAFT_PRIOR)
@@ -132,8 +134,13 @@ class Costs:
     def observe_verify(self, batch: int, tokens: int, seconds: float, steps: int, now: int) -> None:
         """seconds per pass of a call that made `steps` passes (steps > 1: plain decoding steps)."""
         if steps == 1:
-            curve = self.curves.setdefault(batch, {})
-            curve[tokens] = ema(curve.get(tokens), seconds)
+            curve, seen = self.curves.setdefault(batch, {}), self.curve_seen.setdefault(batch, {})
+            curve[tokens], seen[tokens] = ema(curve.get(tokens), seconds), now
+            # a point no choice has gone back to is dropped: measured once while the machine was
+            # slow, it would price its K out for good (nothing chooses it, so nothing corrects it)
+            # and skew the interpolation of its neighbours; without it they are read from the rest
+            for t in [t for t, when in seen.items() if now - when > CURVE_FORGET]:
+                del curve[t], seen[t]
             return
         # a plain pass measured long ago is replaced, not averaged: one measured while the
         # machine was busy would otherwise make speculating look better for good

@@ -468,3 +468,18 @@ def test_verify_costs_follow_measurements_and_borrow_from_the_nearest_batch_size
     c.observe_verify(4, 4, 0.06, steps=4, now=0)
     c.observe_verify(8, 8, 0.09, steps=4, now=0)
     assert abs(c.verify(8, 8) - 0.08 * 0.09 / 0.06) < 1e-9
+
+
+def test_a_verify_cost_point_no_choice_goes_back_to_is_dropped():
+    """One slow measurement (a busy moment, a first pass) at a size that then looks too dear to
+    choose would price it out for good; once other sizes have been measured for CURVE_FORGET
+    choices it is dropped, and its cost is read from the fresh points around it."""
+    from specdec.adaptive_costs import CURVE_FORGET
+
+    c = Costs()
+    c.observe_verify(1, 3, 0.018, steps=1, now=0)  # slow once
+    for now in range(1, CURVE_FORGET + 2):
+        c.observe_verify(1, 2, 0.010, steps=1, now=now)
+        c.observe_verify(1, 5, 0.012, steps=1, now=now)
+    assert 3 not in c.curves[1]
+    assert c.verify(1, 3) == pytest.approx(0.010 + 0.002 / 3)
