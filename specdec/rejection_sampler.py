@@ -15,12 +15,12 @@ The batch is ragged: draft ids are flat [sum K_i] with per-request counts; targe
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 from torch import Tensor
 
-from specdec.sampling import draw
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -43,51 +43,98 @@ def rejection_sample(
         g_target = target if len(g_rows) == target.shape[0] else target[g_rows]
         best = dict(zip(g_rows, g_target.argmax(dim=-1).tolist()))
     drafts_all = draft_token_ids.tolist()
-    out = []
-    d0 = 0
+    out: list[list[int]] = [[] for _ in range(B)]
+    d0 = list(accumulate(num_draft_tokens, initial=0))  # each request's first draft
     for b, k in enumerate(num_draft_tokens):
-        t0 = starts[b]
-        drafts = drafts_all[d0 : d0 + k]  # [K]
         if greedy[b]:
+            drafts, t0 = drafts_all[d0[b] : d0[b] + k], starts[b]
             argmax = [best[t0 + j] for j in range(k + 1)]  # [K+1]
             n = next((j for j in range(k) if drafts[j] != argmax[j]), k)  # accepted drafts
-            out.append(argmax[: n + 1])  # accepted tokens equal the argmax, then the recovered or bonus argmax
-        else:
-            rows = target[t0 : t0 + k + 1]  # [K+1, V]
-            out.append(_sampled(draft_token_ids[d0 : d0 + k], draft_probs[b], rows, generators[b]).tolist())
-        d0 += k
+            out[b] = argmax[: n + 1]  # accepted tokens equal the argmax, then the recovered or bonus argmax
+    sampled = [b for b in range(B) if not greedy[b]]
+    if sampled:
+        reqs = [Sampled(drafts_all[d0[b] : d0[b] + num_draft_tokens[b]], draft_probs[b], starts[b], generators[b])
+                for b in sampled]
+        for b, toks in zip(sampled, _sampled(reqs, target)):
+            out[b] = toks
     width = max(num_draft_tokens, default=0) + 1
     padded = [row + [PLACEHOLDER_TOKEN_ID] * (width - len(row)) for row in out]
     return torch.tensor(padded, dtype=torch.long).view(B, width)
 
 
-def _sampled(drafts: Tensor, q: Tensor | None, p: Tensor, gen: torch.Generator | None) -> Tensor:
-    k = len(drafts)
-    idx = torch.arange(k, device=p.device)
-    drafts = drafts.to(p.device)
-    q = q.to(p.device) if q is not None else None  # the drafter may live on another device
-    p_d = p[idx, drafts]  # [K] p_i(x_i)
-    q_d = q[idx, drafts] if q is not None else torch.ones(k, device=p.device)  # [K] q_i(x_i)
-    u = torch.rand(k, generator=gen, device=p.device)
-    # u * q < p  <=>  u < p / q, without dividing by a zero q
-    rejected = (u * q_d >= p_d).nonzero()
-    n = int(rejected[0]) if len(rejected) else k
-    if n < k:
-        residual = p[n].clone()
-        if q is not None:
-            residual = (residual - q[n]).clamp_min_(0.0)
-        else:
-            residual[drafts[n]] = 0.0
-        last = _draw(residual, gen, p[n])  # no mass left only when p == q, where rejection has probability 0
-    else:
-        last = _draw(p[k], gen)  # bonus
-    return torch.cat([drafts[:n], last])
+@dataclass
+class Sampled:
+    """A sampled request's part of the batch: its drafts, their q rows [K, V] (None: one-hot),
+    its first target row and its generator."""
+
+    drafts: list[int]
+    q: Tensor | None
+    row: int
+    gen: torch.Generator | None
 
 
-def _draw(dist: Tensor, gen: torch.Generator | None, fallback: Tensor | None = None) -> Tensor:
-    """[1] token from an unnormalized distribution; where it holds no finite positive mass, from
-    `fallback`, else its argmax: drawing from it would be meaningless, and a raise fails the pass of every
-    sequence in the batch."""
-    if not 0.0 < float(dist.sum()) < float("inf"):
-        return _draw(fallback, gen) if fallback is not None else dist.nan_to_num(nan=-1.0).argmax().view(1)
-    return draw(dist, gen)
+def _sampled(reqs: list[Sampled], target: Tensor) -> list[list[int]]:
+    """Every sampled request's accepted drafts and its recovered or bonus token: the acceptance
+    tests, the residuals and the final draws each as one batched op. Each request draws its
+    uniform numbers from its own generator, in the order a request alone would: K for its tests,
+    then one for its final token."""
+    u = [torch.rand(len(r.drafts), generator=r.gen, device=target.device) for r in reqs]
+    w = torch.cat([torch.rand(1, generator=r.gen, dtype=torch.float64, device=target.device) for r in reqs])
+    n = accepted_lengths(reqs, target, u)
+    dist, rows = final_rows(reqs, target, n)
+    last = draw_rows(dist, w, target, rows).tolist()
+    return [r.drafts[:k] + [t] for r, k, t in zip(reqs, n, last)]
+
+
+def accepted_lengths(reqs: list[Sampled], target: Tensor, u: list[Tensor]) -> list[int]:
+    """Drafts each request keeps: x_i is accepted while u_i q_i(x_i) < p_i(x_i) (u_i < p/q, without
+    dividing by a zero q), up to the first rejection."""
+    rows = torch.tensor([r.row + j for r in reqs for j in range(len(r.drafts))], dtype=torch.long)
+    ids = torch.tensor([t for r in reqs for t in r.drafts], dtype=torch.long)
+    if not len(ids):
+        return [0] * len(reqs)
+    p_d = target[rows.to(target.device), ids.to(target.device)]  # [sum K] p_i(x_i)
+    q_d = torch.cat([r.q.to(target.device)[torch.arange(len(r.drafts)), torch.tensor(r.drafts)] if r.q is not None
+                     else torch.ones(len(r.drafts), device=target.device) for r in reqs])  # [sum K] q_i(x_i)
+    keep = (torch.cat(u) * q_d < p_d).tolist()
+    out, i = [], 0
+    for r in reqs:
+        k = len(r.drafts)
+        out.append(next((j for j in range(k) if not keep[i + j]), k))
+        i += k
+    return out
+
+
+def final_rows(reqs: list[Sampled], target: Tensor, n: list[int]) -> tuple[Tensor, list[int]]:
+    """[S, V] what each request's last token is drawn from, unnormalised: at a rejection the
+    residual max(0, p - q) (for a one-hot q, p without the draft), after all K the bonus row p;
+    and each one's p row in target (its fallback where the residual holds no mass)."""
+    rows = [r.row + k for r, k in zip(reqs, n)]
+    dist = target[rows].float()  # [S, V], a copy
+    with_q = [i for i, (r, k) in enumerate(zip(reqs, n)) if k < len(r.drafts) and r.q is not None]
+    if with_q:
+        q = torch.stack([reqs[i].q[n[i]] for i in with_q]).to(dist.device)
+        dist[with_q] = (dist[with_q] - q).clamp_min_(0.0)
+    one_hot = [i for i, (r, k) in enumerate(zip(reqs, n)) if k < len(r.drafts) and r.q is None]
+    if one_hot:
+        dist[one_hot, [reqs[i].drafts[n[i]] for i in one_hot]] = 0.0
+    return dist, rows
+
+
+def draw_rows(dist: Tensor, w: Tensor, target: Tensor, rows: list[int]) -> Tensor:
+    """[S] one token per row of dist [S, V] by inverse CDF at the row's uniform w [S] (float64),
+    as sampling.draw does for one row. A row with no finite positive mass draws from its fallback,
+    target[rows[i]] (no mass left happens only where p == q, where rejection has probability 0),
+    and where that has none either takes its argmax: drawing from it would be meaningless, and a
+    raise fails the pass of every sequence in the batch."""
+    c = dist.double().cumsum(-1)
+    bad = ~((c[:, -1] > 0) & (c[:, -1] < float("inf")))
+    fallback = None
+    if bool(bad.any()):
+        fallback = target[torch.tensor(rows, device=target.device)[bad]].float()
+        c[bad] = fallback.double().cumsum(-1)
+    tokens = torch.searchsorted(c, (w * c[:, -1])[:, None], right=True)[:, 0].clamp_(max=dist.shape[-1] - 1)
+    still = ~((c[:, -1] > 0) & (c[:, -1] < float("inf")))
+    if fallback is not None and bool(still.any()):
+        tokens[still] = fallback[still[bad]].nan_to_num(nan=-1.0).argmax(-1)
+    return tokens

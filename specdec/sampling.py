@@ -50,52 +50,68 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
 
-def logits_to_probs(logits: Tensor, p: SamplingParams) -> Tensor:
-    """[N, V] logits -> [N, V] probabilities under temperature, top-k and top-p (fp32).
+def logits_to_probs(logits: Tensor, p: SamplingParams | list[SamplingParams]) -> Tensor:
+    """[N, V] logits -> [N, V] probabilities under temperature, top-k and top-p (fp32), with one
+    SamplingParams for all rows or one per row: a batch's rows are transformed together, each by
+    its own request's parameters, in a handful of ops whatever the batch.
 
     Scaled in log space from each row's maximum: (logit - max) / T is 0 for the likeliest token
     and finite or -inf for the rest at any temperature, so no row ever holds inf - inf. A row
     with no finite logit (a broken model output) samples uniformly rather than failing the batch."""
+    shape = logits.shape
+    logits = logits.reshape(-1, shape[-1])
+    rows = p if isinstance(p, list) else [p] * logits.shape[0]
+    dev = logits.device
     x = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
     top = x.amax(dim=-1, keepdim=True)
-    x = (x - torch.where(torch.isfinite(top), top, 0.0)) / max(p.temperature, SAMPLING_EPS)
-    if p.top_k and p.top_k < x.shape[-1]:
-        kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
+    finite = torch.isfinite(top)  # [N, 1]: the row has a finite logit (else it is all -inf)
+    inv_t = torch.tensor([1.0 / max(r.temperature, SAMPLING_EPS) for r in rows], device=dev)[:, None]
+    x = (x - torch.where(finite, top, 0.0)) * inv_t
+    ks = [r.top_k if 0 < r.top_k < x.shape[-1] else 0 for r in rows]
+    if any(ks):  # the kth value of each row that has a k: x's top max(k), read at k - 1
+        kth = torch.topk(x, max(ks), dim=-1).values.gather(-1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])
+        x = x.masked_fill((x < kth) & torch.tensor([k > 0 for k in ks], device=dev)[:, None], float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    if p.top_p < 1.0:
-        probs = top_p_filter(probs, p.top_p)
-    # elementwise, not `if broken.any()`: a host sync per call would stall a GPU verifier's pass
-    return torch.where(torch.isfinite(probs).all(dim=-1, keepdim=True), probs, 1.0 / probs.shape[-1])
+    nucleus = [i for i, r in enumerate(rows) if r.top_p < 1.0]
+    if nucleus:
+        top_p = torch.tensor([rows[i].top_p for i in nucleus], device=dev)[:, None]
+        if len(nucleus) == len(rows):
+            probs = top_p_filter(probs, top_p)
+        else:
+            probs[nucleus] = top_p_filter(probs[nucleus], top_p)
+    # a row is finite wherever its maximum is: its max scales to 0, so its softmax sums to >= 1.
+    # Elementwise, not `if broken.any()`: a host sync per call would stall a GPU verifier's pass
+    return torch.where(finite, probs, 1.0 / probs.shape[-1]).view(shape)
 
 
 NUCLEUS_FIRST_TRY = 256  # top-p looks for the nucleus among this many likeliest tokens first
 
 
-def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
-    """Keep the smallest set of likeliest tokens whose mass reaches top_p, renormalised: a token is
-    dropped when the mass strictly before it already reaches top_p (the first always stays).
+def top_p_filter(probs: Tensor, top_p: float | Tensor) -> Tensor:
+    """Keep the smallest set of likeliest tokens whose mass reaches top_p (a number, or [N, 1] one
+    per row), renormalised: a token is dropped when the mass strictly before it already reaches
+    top_p (the first always stays).
     On CPU the nucleus is first looked for among the NUCLEUS_FIRST_TRY likeliest tokens, which
     holds it nearly always: sorting a 49k vocabulary cost 3 ms a token here, more than a
     quarter of a decoding step. (On a GPU the full sort is cheap, and the check would wait on it.)"""
     k = probs.shape[-1] if probs.is_cuda else min(NUCLEUS_FIRST_TRY, probs.shape[-1])
     sorted_p, idx = probs.topk(k, dim=-1)  # descending
     before = sorted_p.cumsum(-1) - sorted_p
-    if k < probs.shape[-1] and not bool((before[..., -1] >= top_p).all()):
+    if k < probs.shape[-1] and not bool((before[..., -1:] >= top_p).all()):
         return top_p_filter_sorted(probs, top_p)
     return _nucleus(probs, sorted_p, idx, before, top_p)
 
 
-def top_p_filter_sorted(probs: Tensor, top_p: float) -> Tensor:
+def top_p_filter_sorted(probs: Tensor, top_p: float | Tensor) -> Tensor:
     sorted_p, idx = probs.sort(dim=-1, descending=True)
     return _nucleus(probs, sorted_p, idx, sorted_p.cumsum(-1) - sorted_p, top_p)
 
 
-def _nucleus(probs: Tensor, sorted_p: Tensor, idx: Tensor, before: Tensor, top_p: float) -> Tensor:
+def _nucleus(probs: Tensor, sorted_p: Tensor, idx: Tensor, before: Tensor, top_p: float | Tensor) -> Tensor:
     """The kept tokens (mass before them < top_p) of descending sorted_p at vocabulary ids idx,
     scattered back over probs' shape and renormalised."""
-    out = torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(before >= top_p, 0.0))
-    return out / out.sum(-1, keepdim=True)
+    kept = sorted_p.masked_fill(before >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, idx, kept * (1.0 / kept.sum(-1, keepdim=True)))
 
 
 def draw(dist: Tensor, gen: torch.Generator | None) -> Tensor:

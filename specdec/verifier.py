@@ -24,6 +24,23 @@ def token_logprobs(logits: Tensor, token_ids: list[int], n: int) -> list[TokenLo
     return [TokenLogprob(t, c, list(zip(i, v))) for t, c, i, v in zip(token_ids, chosen, top_ids.tolist(), top_lp.tolist())]
 
 
+def _targets(requests: list[VerifyRequest], ks: list[int], logits: Tensor) -> Tensor:
+    """[sum(K_i + 1), V] what the rejection sampler judges by: greedy requests' rows as logits
+    (their argmax is p's), sampled requests' as probabilities under their own parameters, all of
+    those in one batched transform."""
+    sampled = [(r0, k, r.params) for r0, k, r in zip(itertools.accumulate((k + 1 for k in ks), initial=0), ks, requests)
+               if not r.params.greedy]
+    if not sampled:
+        return logits
+    rows = [r0 + j for r0, k, _ in sampled for j in range(k + 1)]
+    params = [p for _, k, p in sampled for _ in range(k + 1)]
+    if len(rows) == logits.shape[0]:
+        return logits_to_probs(logits, params)
+    target = logits.float().clone()
+    target[rows] = logits_to_probs(logits[rows], params)
+    return target
+
+
 class Verifier:
     def __init__(self, runner: ModelRunner, history: int = 4096):
         self.runner = runner
@@ -99,18 +116,14 @@ class Verifier:
         """Rejection-sample each request's block of K_i + 1 rows of logits; `step` > 0 is a
         further plain step, whose generator is the one a separate round at that position would use
         (positions[i]: the index its token will have; default len(tokens) + step)."""
-        rows, r0 = [], 0
-        for r, k in zip(requests, ks):
-            block = logits[r0 : r0 + k + 1]
-            rows.append(block if r.params.greedy else logits_to_probs(block, r.params))
-            r0 += k + 1
+        target = _targets(requests, ks, logits)
         positions = positions or [len(r.tokens) + step for r in requests]
         gens = [None if r.params.greedy else round_generator(r.params.seed, pos, "verify", self.runner.device)
                 for r, pos in zip(requests, positions)]
         drafts = torch.tensor([t for r in requests for t in r.draft_token_ids] if step == 0 else [],
                               dtype=torch.long)  # on the host: the sampler reads them there
         probs = [r.draft_probs for r in requests] if step == 0 else [None] * len(requests)
-        return rejection_sample(drafts, ks, probs, torch.cat(rows), [r.params.greedy for r in requests], gens)
+        return rejection_sample(drafts, ks, probs, target, [r.params.greedy for r in requests], gens)
 
     def _decode_more(self, requests: list[VerifyRequest], results: list[VerifyResult], steps: list[int],
                      passes_s: list[float]) -> None:

@@ -132,20 +132,15 @@ def pvalues(samples: torch.Tensor, joint: torch.Tensor) -> list[float]:
     return out + [chi2_pvalue(flat, joint)]
 
 
-def _accept_all(drafts, q, p, gen):
+def _accept_all(reqs, target, u):
     """Deliberately wrong: keeps every draft, so drafted positions follow q."""
-    return torch.cat([drafts.to(p.device), torch.multinomial(p[len(drafts)], 1, generator=gen)])
+    return [len(r.drafts) for r in reqs]
 
 
-def _no_residual(drafts, q, p, gen):
+def _no_residual(reqs, target, n):
     """Deliberately wrong: after a rejection, resamples from p instead of norm(max(0, p - q))."""
-    k = len(drafts)
-    drafts = drafts.to(p.device)
-    idx = torch.arange(k, device=p.device)
-    q_d = q.to(p.device)[idx, drafts] if q is not None else torch.ones(k, device=p.device)
-    rejected = (torch.rand(k, generator=gen, device=p.device) * q_d >= p[idx, drafts]).nonzero()
-    n = int(rejected[0]) if len(rejected) else k
-    return torch.cat([drafts[:n], torch.multinomial(p[n], 1, generator=gen)])
+    rows = [r.row + k for r, k in zip(reqs, n)]
+    return target[rows].float(), rows
 
 
 def _seed0(kind: str) -> int:
@@ -166,9 +161,11 @@ def test_sampled_output_follows_the_verifier(kind, verifier_model, prompt, exact
     assert min(pv) > ALPHA, pv
 
 
-@pytest.mark.parametrize("kind,broken", [("eagle", _accept_all), ("eagle", _no_residual), ("ngram", _no_residual)])
-def test_same_check_catches_a_broken_sampler(kind, broken, verifier_model, prompt, exact, monkeypatch):
-    monkeypatch.setattr(rejection_sampler, "_sampled", broken)
+@pytest.mark.parametrize("kind,part,broken", [("eagle", "accepted_lengths", _accept_all),
+                                              ("eagle", "final_rows", _no_residual),
+                                              ("ngram", "final_rows", _no_residual)])
+def test_same_check_catches_a_broken_sampler(kind, part, broken, verifier_model, prompt, exact, monkeypatch):
+    monkeypatch.setattr(rejection_sampler, part, broken)
     samples, _ = sample(build_engine(kind, verifier_model), prompt, _seed0(kind))
     pv = pvalues(samples, exact)
     assert min(pv) < ALPHA, pv
