@@ -296,22 +296,24 @@ void configure_tiles(int R) {
   _tile_loadconfig(&c);
 }
 
-// isum [G][R][16]: every group's exact sums, two groups in flight on alternate tiles
+// isum [G][R][16]: every group's exact sums, two groups in flight on alternate tiles. A group's
+// sums go to tile C from its activations (tile A) and weights (tile B); tile numbers must be
+// literals in the intrinsics (GCC pastes them into the assembly), hence a macro.
 void tile_sums(const uint8_t* w8, const int8_t* xq, int64_t K, int64_t G, int R, int32_t* isum) {
+#define WQ_DOT_GROUP(C, A, B, g)                    \
+  _tile_zero(C);                                    \
+  _tile_loadd(A, xq + (g) * GROUP, K);              \
+  _tile_loadd(B, w8 + (g) * 8 * CHUNK, CHUNK);      \
+  _tile_dpbsud(C, A, B);
   for (int64_t g = 0; g < G; g += 2) {
-    _tile_zero(0);
-    _tile_loadd(2, xq + g * GROUP, K);
-    _tile_loadd(4, w8 + g * 8 * CHUNK, CHUNK);
-    _tile_dpbsud(0, 2, 4);
+    WQ_DOT_GROUP(0, 2, 4, g)
     if (g + 1 < G) {
-      _tile_zero(1);
-      _tile_loadd(3, xq + (g + 1) * GROUP, K);
-      _tile_loadd(5, w8 + (g + 1) * 8 * CHUNK, CHUNK);
-      _tile_dpbsud(1, 3, 5);
+      WQ_DOT_GROUP(1, 3, 5, g + 1)
       _tile_stored(1, isum + (g + 1) * R * TILE, TILE * 4);
     }
     _tile_stored(0, isum + g * R * TILE, TILE * 4);
   }
+#undef WQ_DOT_GROUP
 }
 
 template <int R>
