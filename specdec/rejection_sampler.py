@@ -21,6 +21,8 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
+from specdec.sampling import inverse_cdf
+
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -122,19 +124,21 @@ def final_rows(reqs: list[Sampled], target: Tensor, n: list[int]) -> tuple[Tenso
 
 
 def draw_rows(dist: Tensor, w: Tensor, target: Tensor, rows: list[int]) -> Tensor:
-    """[S] one token per row of dist [S, V] by inverse CDF at the row's uniform w [S] (float64),
-    as sampling.draw does for one row. A row with no finite positive mass draws from its fallback,
-    target[rows[i]] (no mass left happens only where p == q, where rejection has probability 0),
-    and where that has none either takes its argmax: drawing from it would be meaningless, and a
-    raise fails the pass of every sequence in the batch."""
-    c = dist.double().cumsum(-1)
-    bad = ~((c[:, -1] > 0) & (c[:, -1] < float("inf")))
-    fallback = None
+    """[S] one token per row of dist [S, V] (modified in place) by inverse CDF at the row's uniform
+    w [S], as sampling.draw does for one row. A row with no finite positive mass draws from its
+    fallback, target[rows[i]] (no mass left happens only where p == q, where rejection has
+    probability 0), and where that has none either takes its argmax: drawing from it would be
+    meaningless, and a raise fails the pass of every sequence in the batch."""
+    def broken(x: Tensor) -> Tensor:
+        mass = x.sum(-1)
+        return ~((mass > 0) & (mass < float("inf")))
+
+    bad = broken(dist)
+    still = bad
     if bool(bad.any()):
-        fallback = target[torch.tensor(rows, device=target.device)[bad]].float()
-        c[bad] = fallback.double().cumsum(-1)
-    tokens = torch.searchsorted(c, (w * c[:, -1])[:, None], right=True)[:, 0].clamp_(max=dist.shape[-1] - 1)
-    still = ~((c[:, -1] > 0) & (c[:, -1] < float("inf")))
-    if fallback is not None and bool(still.any()):
-        tokens[still] = fallback[still[bad]].nan_to_num(nan=-1.0).argmax(-1)
+        dist[bad] = target[torch.tensor(rows, device=target.device)[bad]].float()
+        still = broken(dist)
+    tokens = inverse_cdf(dist, w)
+    if bool(still.any()):
+        tokens[still] = dist[still].nan_to_num(nan=-1.0).argmax(-1)
     return tokens

@@ -115,12 +115,17 @@ def _nucleus(probs: Tensor, sorted_p: Tensor, idx: Tensor, before: Tensor, top_p
 
 
 def draw(dist: Tensor, gen: torch.Generator | None) -> Tensor:
-    """[1] index drawn with probability dist[i] / sum(dist) (dist [V], non-negative, some mass):
-    inverse CDF over a float64 running sum, one uniform number. torch.multinomial took 1.4 ms a
-    token over a 49k vocabulary here; this takes a tenth of that, and never picks a zero."""
-    c = dist.double().cumsum(0)
-    u = torch.rand(1, generator=gen, dtype=torch.float64, device=dist.device) * c[-1]
-    return torch.searchsorted(c, u, right=True).clamp_(max=len(dist) - 1)
+    """[1] index drawn with probability dist[i] / sum(dist) (dist [V], non-negative, some mass),
+    at one uniform number from gen. torch.multinomial took 1.4 ms a token over a 49k vocabulary
+    here; the inverse CDF takes a tenth of that, and never picks a zero."""
+    return inverse_cdf(dist[None], torch.rand(1, generator=gen, dtype=torch.float64, device=dist.device))
+
+
+def inverse_cdf(dist: Tensor, w: Tensor) -> Tensor:
+    """[S] one index per row of dist [S, V] (non-negative, some mass) at the row's uniform w [S]
+    (float64, in [0, 1)): where w times the row's mass falls in its float64 running sum."""
+    c = dist.double().cumsum(-1)
+    return torch.searchsorted(c, (w * c[:, -1])[:, None], right=True)[:, 0].clamp_(max=dist.shape[-1] - 1)
 
 
 def round_generator(seed: int, position: int, stream: str, device="cpu") -> torch.Generator:
