@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from specdec.adaptive_costs import Costs
+from specdec.confidence import Confidence
 
 PROBE_EVERY, MAX_PROBE_EVERY = 16, 256  # rounds at K = 0 before a periodic probe: at first, at most
 PROBE_OPTIMISM = 0.9  # a probe is made only if it would pay at this acceptance (else it can only lose)
@@ -219,6 +220,7 @@ class AdaptiveK:
         self.lookup = Acceptance(self.k_max)  # prompt-lookup copies
         self.first = Acceptance(self.k_max)  # model drafts in each sequence's first drafting round
         self.costs, self.backoff = Costs(), Backoff()
+        self.confidence = Confidence()  # drafts' acceptance by their confidence (which drafts to verify)
         self._calibration: dict[int, tuple[float, float]] = {}  # batch -> (predicted, accepted) model drafts, decayed
         self._choices = 0
 
@@ -304,7 +306,8 @@ class AdaptiveK:
                 "model_acceptance_by_position": [round(a, 3) for a in self.model.positions()],
                 "first_round_acceptance": round(self.first.overall(), 3),
                 "calibration_by_batch": {b: round(self.calibration(b), 3) for b in sorted(self._calibration)},
-                "lookup_acceptance_by_position": [round(a, 3) for a in self.lookup.positions()]}
+                "lookup_acceptance_by_position": [round(a, 3) for a in self.lookup.positions()],
+                "acceptance_by_confidence_decile": self.confidence.state()}
 
     def observe_round(self, drafted_accepted: list[tuple[int, int]], looked_up: list[bool] | None = None,
                       first: list[bool] | None = None, predicted: dict | None = None) -> None:

@@ -53,7 +53,8 @@ def build_proposer(spec: str, cfg: EngineConfig, verifier_model=None) -> Propose
 
         # the head reuses the verifier's embedding, final norm and LM head rows
         verifier_model = verifier_model or load_model(cfg.verifier, cfg.device, cfg.dtype, cfg.progress, cfg.enforce_eager)
-        return FeatureHeadProposer.from_pretrained(None if spec == "default" else spec, verifier_model)
+        return FeatureHeadProposer.from_pretrained(None if spec == "default" else spec, verifier_model,
+                                                   cfg.draft_tree_width)
     from specdec.models.pairing import check_pair
 
     vocab = check_pair(spec, cfg.verifier, cfg.progress)  # the verifier's tokenizer, or a clear error

@@ -10,6 +10,7 @@ class SpecMetrics:
     num_prompt_tokens: int = 0  # tokens in the prompt
     num_output_tokens: int = 0  # tokens emitted
     num_drafted: int = 0  # draft tokens proposed
+    num_draft_positions: int = 0  # positions drafted: a chain's drafts, a token tree's depth
     num_accepted: int = 0  # draft tokens the verifier accepted
     num_lookup_drafted: int = 0  # of num_drafted: copied by prompt lookup (the rest: the draft model)
     num_lookup_accepted: int = 0  # of num_accepted: lookup drafts accepted
@@ -20,14 +21,18 @@ class SpecMetrics:
     t_first_token: float | None = None
     t_finish: float | None = None
 
-    def record_round(self, num_drafted: int, num_accepted: int, num_passes: int = 1, lookup: bool = False) -> None:
+    def record_round(self, num_drafted: int, num_accepted: int, num_passes: int = 1, lookup: bool = False,
+                     positions: int | None = None) -> None:
+        """positions: the depth of a token tree (None: a chain, num_drafted deep)."""
+        positions = num_drafted if positions is None else positions
         self.num_verifier_passes += num_passes
         self.num_drafted += num_drafted
+        self.num_draft_positions += positions
         self.num_accepted += num_accepted
         if lookup:  # the drafts were copied by prompt lookup
             self.num_lookup_drafted += num_drafted
             self.num_lookup_accepted += num_accepted
-        for per, n in ((self.drafted_per_position, num_drafted), (self.accepted_per_position, num_accepted)):
+        for per, n in ((self.drafted_per_position, positions), (self.accepted_per_position, num_accepted)):
             per.extend([0] * (n - len(per)))
             for j in range(n):
                 per[j] += 1
@@ -35,6 +40,11 @@ class SpecMetrics:
     @property
     def num_model_drafted(self) -> int:
         return self.num_drafted - self.num_lookup_drafted
+
+    @property
+    def num_model_positions(self) -> int:
+        """Positions the model drafted (lookup drafts are chains)."""
+        return self.num_draft_positions - self.num_lookup_drafted
 
     @property
     def num_model_accepted(self) -> int:

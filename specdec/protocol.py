@@ -22,8 +22,13 @@ class ProposeRequest:
 
 @dataclass
 class Proposal:
-    token_ids: list[int]  # the K draft tokens
+    token_ids: list[int]  # the K draft tokens (a tree's nodes: each after its parent)
     probs: Tensor | None  # [K, V] draft distributions q; None = one-hot at token_ids
+    # a token tree: each draft's parent among the drafts (-1: the sequence's last token); None: a chain
+    parents: list[int] | None = None
+    # each draft's confidence: the draft's probability of its path (None: unknown); adaptive
+    # speculation keeps the drafts whose calibrated confidence pays for their place in the pass
+    scores: list[float] | None = None
 
 
 @dataclass
@@ -39,6 +44,7 @@ class VerifyRequest:
     num_steps: int = 1
     # tokens that end the sequence (EOS, stop ids): plain steps stop after sampling one
     stop_ids: tuple[int, ...] = ()
+    draft_parents: list[int] | None = None  # a token tree's parents (Proposal.parents); None: a chain
 
 
 @dataclass
@@ -60,3 +66,4 @@ class VerifyResult:
     num_passes: int = 1  # verifier forward passes that produced token_ids (at most num_steps of the request)
     logprobs: list[TokenLogprob] | None = None  # [len(token_ids)] when the request's params ask for them
     passes_s: list[float] | None = None  # seconds of each of the call's passes (its first: the verify pass)
+    path: list[int] | None = None  # a tree's accepted drafts, by index, root to leaf (a chain's: its first num_accepted)

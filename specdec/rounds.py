@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 from specdec.adaptive import AdaptiveK
+from specdec.confidence import prune
 from specdec.proposers.ngram import NgramProposer
 from specdec.protocol import Proposal, ProposeRequest, VerifyRequest, VerifyResult
 from specdec.sequence import Delta, Sequence
@@ -54,7 +55,7 @@ class Round:
 
     def _choose(self, adaptive: AdaptiveK, budgets: list[int]) -> list[int]:
         """K per sequence from adaptive K, given each one's record and budget."""
-        acc = [adaptive.acceptance(s.metrics.num_model_accepted, s.metrics.num_model_drafted) for s in self.batch]
+        acc = [adaptive.acceptance(s.metrics.num_model_accepted, s.metrics.num_model_positions) for s in self.batch]
         lacc = [adaptive.lookup.of_sequence(s.metrics.num_lookup_accepted, s.metrics.num_lookup_drafted)
                 for s in self.batch]
         # past its prefill (a draft needs the verifier's feature), never drafted by the model,
@@ -76,9 +77,19 @@ class Round:
         return groups
 
     def set_proposals(self, idx: list[int], proposals: list[Proposal], seconds: float) -> None:
+        self.observe_draft(idx, max((depth(p) for p in proposals), default=0), seconds)
+        if self.adaptive is not None and not self.adaptive.last_probe:  # a probe's drafts are all verified
+            proposals = self._prune(idx, proposals)
         for i, p in zip(idx, proposals):
             self.drafts[i] = p
-        self.observe_draft(idx, max((len(p.token_ids) for p in proposals), default=0), seconds)
+
+    def _prune(self, idx: list[int], proposals: list[Proposal]) -> list[Proposal]:
+        """The drafts whose calibrated confidence pays for their place in the pass (confidence.py)."""
+        B, mine = len(self.batch), set(idx)
+        tokens = B + sum(len(d.token_ids) for i, d in enumerate(self.drafts) if i not in mine)
+        costs = self.adaptive.costs
+        return prune(proposals, [self.batch[i].params.greedy for i in idx], self.adaptive.confidence,
+                     lambda n: costs.verify(B, tokens + n), B)
 
     def observe_draft(self, idx: list[int], k: int, seconds: float) -> None:
         """A draft call for batch indices idx, up to k drafts each, took seconds."""
@@ -99,7 +110,8 @@ class Round:
         # what a sequence emits (accepted drafts, their recovered or bonus token, then plain
         # steps) stays within what it may: a draft budget leaves room for one more token
         return [VerifyRequest(s.seq_id, list(s.tokens), d.token_ids, d.probs, s.params,
-                              max(1, min(steps, s.room() - len(d.token_ids))), stop_ids=tuple(s.stop_ids))
+                              max(1, min(steps, s.room() - depth(d))), stop_ids=tuple(s.stop_ids),
+                              draft_parents=d.parents)
                 for s, d in zip(self.batch, self.drafts)]
 
     def commit(self, results: list[VerifyResult], verify_seconds: float | None) -> list[tuple[Sequence, Delta]]:
@@ -114,9 +126,11 @@ class Round:
         if self.adaptive is not None:
             if verify_seconds is not None:
                 self.observe_cost(verify_seconds)
-            self.adaptive.observe_round([(r.num_drafted, r.num_accepted) for r in results], self.is_lookup,
-                                        self.first_draft, self.prediction)
-        out = [(s, s.commit(r, m)) for s, r, m in zip(self.batch, results, self.is_lookup)]
+            self.adaptive.observe_round([(depth(d), r.num_accepted) for d, r in zip(self.drafts, results)],
+                                        self.is_lookup, self.first_draft, self.prediction)
+            self.adaptive.confidence.observe(self.drafts, results, [s.params.greedy for s in self.batch])
+        out = [(s, s.commit(r, m, depth(d) if d.parents is not None else None))
+               for s, r, m, d in zip(self.batch, results, self.is_lookup, self.drafts)]
         self.t_committed = time.perf_counter()
         return out
 
@@ -131,6 +145,16 @@ class Round:
                 # have been, the pass and the call's overhead (its plain steps say nothing new)
                 seconds, n = self._passes_s[0] + max(0.0, seconds - sum(self._passes_s)), 1
             self.adaptive.observe_verify(batch, tokens, seconds / n, n)
+
+
+def depth(p: Proposal) -> int:
+    """Positions a proposal drafts: a chain's length, a token tree's depth."""
+    if p.parents is None:
+        return len(p.token_ids)
+    d: list[int] = []
+    for q in p.parents:
+        d.append(0 if q < 0 else d[q] + 1)
+    return max(d, default=-1) + 1
 
 
 def timed(fn, *args):

@@ -68,9 +68,10 @@ class Sequence:
         k = self.num_speculative_tokens if k is None else k
         return max(0, min(k, self.room() - 1))
 
-    def commit(self, result: VerifyResult, lookup: bool = False) -> Delta:
-        """lookup: the round's drafts were copied by prompt lookup (counted apart in metrics)."""
-        self.metrics.record_round(result.num_drafted, result.num_accepted, result.num_passes, lookup)
+    def commit(self, result: VerifyResult, lookup: bool = False, positions: int | None = None) -> Delta:
+        """lookup: the round's drafts were copied by prompt lookup (counted apart in metrics);
+        positions: a token tree's depth (None: a chain)."""
+        self.metrics.record_round(result.num_drafted, result.num_accepted, result.num_passes, lookup, positions)
         new: list[int] = []
         for tok in result.token_ids:
             if tok in self.stop_ids:

@@ -54,8 +54,8 @@ class RecordingRunner(ModelRunner):
         super().__init__(*a, **kw)
         self.records: dict[str, list[tuple[list[int], Tensor]]] = {}
 
-    def forward(self, seq_ids, inputs):
-        hidden, valid = super().forward(seq_ids, inputs)
+    def forward(self, seq_ids, inputs, trees=None):
+        hidden, valid = super().forward(seq_ids, inputs, trees)
         for b, (sid, x) in enumerate(zip(seq_ids, inputs)):
             self.records.setdefault(sid, []).append((list(x), hidden[b, : len(x)].to("cpu", torch.float16)))
         return hidden, valid
@@ -335,7 +335,7 @@ def evaluate(head, data, idx: Tensor, label_map, args, rows: int = 1024) -> tupl
     return loss / n, [round(a / n, 4) for a in accs]
 
 
-INFO_ARGS = ("gen_prompts", "gen_max_tokens", "prefill_tokens", "draft_vocab", "hidden", "blocks", "steps",
+INFO_ARGS = ("gen_prompts", "gen_max_tokens", "prefill_tokens", "data_dtype", "draft_vocab", "hidden", "blocks", "steps",
              "train_minutes", "batch_size", "unroll", "lr", "ce_weight", "kd_weight", "reg_weight", "seed")
 
 
@@ -428,6 +428,8 @@ def parse_args(argv):
     g.add_argument("--prefill-minutes", type=float, default=14.0, help="stop prefilling after this long")
     g.add_argument("--prefill-doc-tokens", type=int, default=768, help="tokens per prefilled document at most")
     g.add_argument("--max-len", type=int, default=1024, help="context window while making data")
+    g.add_argument("--data-dtype", default="auto", help="the verifier's dtype while making data: the features "
+                   "and labels the head learns are those of the verifier it will serve ('auto', as served)")
     g = p.add_argument_group("model")
     g.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size")
     g.add_argument("--hidden", type=int, default=1536, help="SwiGLU width of each block")
@@ -474,10 +476,11 @@ def main(argv=None) -> int:
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", args.verifier)
     data_dir = Path(args.data_dir) if args.data_dir else specdec_home() / "draft_data" / name
     data_path = data_dir / "data.pt"
-    model = load_model(args.verifier, progress=not args.quiet).requires_grad_(False)
     hf_tok = load_tokenizer(args.verifier, progress=not args.quiet)
     if args.stage in ("all", "data"):
-        data = make_data(args, model, hf_tok)
+        served = load_model(args.verifier, dtype=args.data_dtype, progress=not args.quiet).requires_grad_(False)
+        data = make_data(args, served, hf_tok)
+        del served
         data_dir.mkdir(parents=True, exist_ok=True)
         torch.save(data, data_path)
         print(f"data: {json.dumps(data['meta'])} -> {data_path}", flush=True)
@@ -486,6 +489,8 @@ def main(argv=None) -> int:
     else:
         data = torch.load(data_path, weights_only=False)
         print(f"data: {json.dumps(data['meta'])}", flush=True)
+    # training differentiates through the verifier's frozen embedding, norm and LM head: in float32
+    model = load_model(args.verifier, progress=not args.quiet).requires_grad_(False)
     t0 = time.time()
     train(args, model, data, hf_tok)
     print(f"trained in {time.time() - t0:.0f} s -> {args.out}", flush=True)

@@ -13,6 +13,7 @@ from specdec.models.runner import ModelRunner
 from specdec.protocol import TokenLogprob, VerifyRequest, VerifyResult
 from specdec.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
 from specdec.sampling import logits_to_probs, round_generator
+from specdec.tree_sampler import greedy_path, sampled_path
 
 
 def token_logprobs(logits: Tensor, token_ids: list[int], n: int) -> list[TokenLogprob]:
@@ -85,20 +86,25 @@ class Verifier:
         last = self.runner.catch_up(ids, [r.tokens for r in requests], [k + n for k, n in zip(ks, steps)])
         t_pass = time.perf_counter()
         inputs = [[t] + r.draft_token_ids for t, r in zip(last, requests)]  # [B, K_i + 1] ragged
-        hidden, valid = self.runner.forward(ids, inputs)  # [B, T, dim]
+        trees = [None if r.draft_parents is None else [-1] + [p + 1 for p in r.draft_parents] for r in requests]
+        hidden, valid = self.runner.forward(ids, inputs, trees)  # [B, T, dim]
         hidden = hidden[valid]  # [sum(K_i + 1), dim], only the real rows
         logits = self.runner.model.logits(hidden)  # [sum(K_i + 1), V]
-        out = self._sample(requests, ks, logits, step=0)  # [B, max(K_i) + 1], placeholder-padded
-        toks = [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in out.tolist()]
-        # row n of a request's block produced its last token; that row's feature seeds the next
-        # draft (gathered and copied to the host at once: a copy per request waits on the device each time)
+        toks, paths = self._verify_sample(requests, ks, logits)
+        for r, t, path in zip(requests, trees, paths):
+            if t is not None:  # the accepted path's K/V to the rows of its positions
+                self.runner.keep_path(r.seq_id, len(r.tokens) - 1, [0] + [c + 1 for c in path])
+        # the row that produced a request's last token seeds its next draft (gathered and copied
+        # to the host at once: a copy per request waits on the device each time)
         starts = list(itertools.accumulate((k + 1 for k in ks), initial=0))  # each block's first row
-        feats = hidden[[r0 + len(t) - 1 for r0, t in zip(starts, toks)]].float().cpu()  # [B, dim]
+        rows = [[r0] + [r0 + c + 1 for c in path] for r0, path in zip(starts, paths)]  # row j produced token j
+        feats = hidden[[r[-1] for r in rows]].float().cpu()  # [B, dim]
         results = []
-        for b, (k, r0) in enumerate(zip(ks, starts)):
-            results.append(VerifyResult(toks[b], len(toks[b]) - 1, k, feats[b].clone()))
-            if requests[b].params.logprobs is not None:  # row j of the block produced token j
-                results[b].logprobs = token_logprobs(logits[r0 : r0 + len(toks[b])], toks[b], requests[b].params.logprobs)
+        for b, k in enumerate(ks):
+            tree = requests[b].draft_parents is not None
+            results.append(VerifyResult(toks[b], len(toks[b]) - 1, k, feats[b].clone(), path=paths[b] if tree else None))
+            if requests[b].params.logprobs is not None:
+                results[b].logprobs = token_logprobs(logits[rows[b]], toks[b], requests[b].params.logprobs)
         self.passes += 1
         self.batch_sizes.append(len(requests))
         passes_s = [time.perf_counter() - t_pass]
@@ -110,6 +116,36 @@ class Verifier:
         for res in results:
             res.passes_s = passes_s
         return results
+
+    def _verify_sample(self, requests: list[VerifyRequest], ks: list[int], logits: Tensor) -> tuple[list, list]:
+        """(emitted tokens, accepted drafts' indices) per request, from its block of K_i + 1 rows:
+        chains through the batched rejection sampler, token trees along their accepted path."""
+        tree = [b for b, r in enumerate(requests) if r.draft_parents is not None]
+        chain = [b for b, r in enumerate(requests) if r.draft_parents is None]
+        starts = list(itertools.accumulate((k + 1 for k in ks), initial=0))
+        toks: list = [None] * len(requests)
+        paths: list = [None] * len(requests)
+        if chain:
+            sub = [requests[b] for b in chain]
+            rows = logits if not tree else logits[[starts[b] + j for b in chain for j in range(ks[b] + 1)]]
+            out = self._sample(sub, [ks[b] for b in chain], rows, step=0)  # [B', max(K_i) + 1], placeholder-padded
+            for b, row in zip(chain, out.tolist()):
+                toks[b] = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
+                paths[b] = list(range(len(toks[b]) - 1))
+        if tree:
+            sub = [requests[b] for b in tree]
+            blocks = [list(range(starts[b], starts[b + 1])) for b in tree]
+            target = _targets(sub, [ks[b] for b in tree], logits[[i for blk in blocks for i in blk]])
+            argmax = target.argmax(-1).tolist() if any(r.params.greedy for r in sub) else None  # one op, one copy
+            i0 = 0
+            for b, r, blk in zip(tree, sub, blocks):
+                if r.params.greedy:
+                    toks[b], paths[b] = greedy_path(r.draft_token_ids, r.draft_parents, argmax[i0 : i0 + len(blk)])
+                else:
+                    gen = round_generator(r.params.seed, len(r.tokens), "verify", self.runner.device)
+                    toks[b], paths[b] = sampled_path(r.draft_token_ids, r.draft_parents, target[i0 : i0 + len(blk)], gen)
+                i0 += len(blk)
+        return toks, paths
 
     def _sample(self, requests: list[VerifyRequest], ks: list[int], logits: torch.Tensor, step: int,
                 positions: list[int] | None = None) -> torch.Tensor:

@@ -173,8 +173,18 @@ def _attention_case(n_tokens: int, window: int = 0, softcap: float = 0.0, seed: 
     k = torch.randn(n_tokens, kv_heads, hd, generator=g).bfloat16()
     v = torch.randn(n_tokens, kv_heads, hd, generator=g).bfloat16()
     # two sequences: slot 2 at positions 100.., slot 0 at 7..
-    meta = torch.tensor([[2, 100 + i] for i in range(n_tokens - n_tokens // 2)] + [[0, 7 + i] for i in range(n_tokens // 2)])
+    meta = chain_meta([(2, 100 + i) for i in range(n_tokens - n_tokens // 2)] + [(0, 7 + i) for i in range(n_tokens // 2)])
     return q, k, v, k_cache, v_cache, meta, window, hd**-0.5, softcap
+
+
+def chain_meta(tokens: list[tuple[int, int]]) -> torch.Tensor:
+    """meta [N, 4] of plain tokens (slot, position): each row its position, each token the parent
+    of the next one of its slot."""
+    rows = []
+    for i, (s, p) in enumerate(tokens):
+        follows = i > 0 and tokens[i - 1] == (s, p - 1)
+        rows.append([s, p, p, i - 1 if follows else -1])
+    return torch.tensor(rows)
 
 
 @pytest.mark.parametrize("window,softcap,hd", [(0, 0.0, 64), (16, 0.0, 64), (0, 30.0, 64), (0, 0.0, 96), (16, 0.0, 256)])
@@ -202,5 +212,37 @@ def test_attention_kernel_is_batch_invariant(n_tokens, window):
                                                             meta[: i + 1], w, scale, cap)
         # alone, its keys already cached: a 1-token decode step
         alone = torch.ops.specdec_attention.attend_tokens(q[i : i + 1], k[i : i + 1], v[i : i + 1], kc_all.clone(),
-                                                           vc_all.clone(), meta[i : i + 1], w, scale, cap)
+                                                           vc_all.clone(), chain_meta([tuple(meta[i, :2].tolist())]),
+                                                           w, scale, cap)
         assert torch.equal(prefix[i], together[i]) and torch.equal(alone[0], together[i])
+
+
+TREE = [-1, 0, 1, 0, 3, 1, 2, 6, 7, 8, 9]  # parents of a draft tree's nodes: branches, and a chain past a run's length
+
+
+@pytest.mark.parametrize("window,hd", [(0, 64), (8, 64), (0, 96), (8, 48)])  # 48: the per-token path
+def test_attention_over_a_token_tree_gives_each_node_its_paths_bits(window, hd):
+    """A tree's nodes sit at the rows after their sequence's (siblings share a position); each
+    node's output is the bits of its path computed as a plain sequence, and the Python op agrees."""
+    from specdec.models import token_pass
+
+    q, k, v, kc, vc, _, w, scale, cap = _attention_case(len(TREE), window, hd=hd)
+    depth = []
+    for p in TREE:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    start = 100
+    meta = torch.tensor([[2, start + d, start + j, p] for j, (d, p) in enumerate(zip(depth, TREE))])
+    kc_t, vc_t, kc_r, vc_r = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    tree = torch.ops.specdec_attention.attend_tokens(q, k, v, kc_t, vc_t, meta, w, scale, cap)
+    ref = token_pass.attend_tokens(q, k, v, kc_r, vc_r, meta, w, scale, cap)
+    assert torch.equal(kc_t, kc_r) and torch.equal(kc_t[2, :, start : start + len(TREE)], k.transpose(0, 1))
+    assert (tree.float() - ref.float()).abs().max().item() < 0.02
+    for j in range(len(TREE)):
+        path = [j]
+        while TREE[path[-1]] >= 0:
+            path.append(TREE[path[-1]])
+        path = path[::-1]
+        plain = torch.ops.specdec_attention.attend_tokens(q[path], k[path], v[path], kc.clone(), vc.clone(),
+                                                          chain_meta([(2, start + i) for i in range(len(path))]),
+                                                          w, scale, cap)
+        assert torch.equal(plain[-1], tree[j]), j

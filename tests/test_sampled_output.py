@@ -4,9 +4,9 @@ A tiny verifier with an 8-token vocabulary, sampled at a temperature that leaves
 handful of tokens, makes a chi-square test powerful at a few thousand continuations. The exact
 distribution of the first T tokens is enumerated from the verifier itself (every prefix, one
 batched forward), and each position's marginal, and the joint of all T, is tested against it:
-for plain sampling (the reference), an EAGLE-style draft head, prompt lookup (one-hot q), a draft
-model, and the head behind prompt lookup. A broken rejection sampler patched into the same
-engine path fails the same check.
+for plain sampling (the reference), an EAGLE-style draft head, its token trees (multi-candidate
+rejection), prompt lookup (one-hot q), a draft model, and the head behind prompt lookup. A broken
+rejection sampler patched into the same engine path fails the same check.
 Every request has its own seed, so each run draws the same tokens: the test is deterministic."""
 import itertools
 
@@ -71,16 +71,18 @@ def _draft_head(model, draft_vocab: int = 6) -> DraftHead:
     return DraftHead(cfg, torch.randperm(V, generator=g)[:draft_vocab].sort().values).attach(model).eval()
 
 
-KINDS = ["plain", "eagle", "ngram", "draft", "eagle+lookup"]
+KINDS = ["plain", "eagle", "ngram", "draft", "eagle+lookup", "eagle-tree"]
 
 
 def build_engine(kind: str, model) -> SpecEngine:
     """'plain' (K = 0), 'eagle' (draft head), 'ngram' (prompt lookup as the proposer: one-hot q),
-    'draft' (draft model) or 'eagle+lookup' (prompt lookup where it matches, else the head)."""
+    'draft' (draft model), 'eagle+lookup' (prompt lookup where it matches, else the head) or
+    'eagle-tree' (the head's token trees, three children a node)."""
     verifier = Verifier(_runner(model))  # first: under SPECDEC_TEST_DEVICE this moves the model
     proposer = {"plain": lambda: None,
                 "eagle": lambda: FeatureHeadProposer(_draft_head(model)),
                 "eagle+lookup": lambda: FeatureHeadProposer(_draft_head(model)),
+                "eagle-tree": lambda: FeatureHeadProposer(_draft_head(model), tree_width=3),
                 "ngram": lambda: NgramProposer(max_n=4),
                 "draft": lambda: DraftModelProposer(_runner(noisy_copy(model, 0.6)))}[kind]()
     cfg = _cfg(0 if proposer is None else K, lookup_min_n=3 if kind == "eagle+lookup" else 0)
@@ -154,6 +156,8 @@ def test_sampled_output_follows_the_verifier(kind, verifier_model, prompt, exact
     if kind != "plain":  # drafts were made, and verified both ways
         drafted, accepted = sum(m.num_drafted for m in metrics), sum(m.num_accepted for m in metrics)
         assert 0 < accepted < drafted, (drafted, accepted)
+    if kind == "eagle-tree":  # drafts accepted beyond the likeliest child: the tree's other branches
+        assert sum(m.num_drafted for m in metrics) > 2 * sum(m.num_draft_positions for m in metrics)
     if kind == "eagle+lookup":  # both drafted: lookup where the context repeats, the head elsewhere
         lookup = sum(m.num_lookup_drafted for m in metrics)
         assert 0 < lookup < drafted, (drafted, lookup)
@@ -167,5 +171,19 @@ def test_sampled_output_follows_the_verifier(kind, verifier_model, prompt, exact
 def test_same_check_catches_a_broken_sampler(kind, part, broken, verifier_model, prompt, exact, monkeypatch):
     monkeypatch.setattr(rejection_sampler, part, broken)
     samples, _ = sample(build_engine(kind, verifier_model), prompt, _seed0(kind))
+    pv = pvalues(samples, exact)
+    assert min(pv) < ALPHA, pv
+
+
+def _keep_rejected(r, token):
+    """Deliberately wrong: a rejected candidate stays in the distribution the next one is tried
+    against and the final token is drawn from, so candidates come out too often."""
+
+
+def test_same_check_catches_a_broken_tree_sampler(verifier_model, prompt, exact, monkeypatch):
+    from specdec import tree_sampler
+
+    monkeypatch.setattr(tree_sampler, "residual", _keep_rejected)
+    samples, _ = sample(build_engine("eagle-tree", verifier_model), prompt, _seed0("eagle-tree"))
     pv = pvalues(samples, exact)
     assert min(pv) < ALPHA, pv

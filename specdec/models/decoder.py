@@ -95,21 +95,22 @@ class Decoder(nn.Module):
 
     def _forward_tokens(self, tokens: Tensor, batch: BatchIndex, caches: list[tuple[Tensor, Tensor]]) -> Tensor:
         B, T = tokens.shape
-        flat = tokens.reshape(-1)
-        pos = batch.rope_pos.reshape(-1)
-        slots = batch.slot_index.expand(B, T).reshape(-1)
+        slots = batch.slot_index.expand(B, T)
+        flat, pos, slots, rows, parent = (x.reshape(-1) for x in (tokens, batch.rope_pos, slots, batch.write_pos, batch.parent))
         if batch.rows is not None:
-            flat, pos, slots = flat[batch.rows], pos[batch.rows], slots[batch.rows]
+            flat, pos, slots, rows, parent = (x[batch.rows] for x in (flat, pos, slots, rows, parent))
         rope = {}
         for kind in self._rope_kinds:
             cos_t, sin_t = self.rope_tables(kind, batch.ctx, tokens.device, self.embed.weight.dtype)
             rope[kind] = (cos_t[pos], sin_t[pos])
-        return _padded(self.token_pass(flat, torch.stack([slots, pos], 1), rope, caches), batch.rows, B, T)
+        meta = torch.stack([slots, pos, rows, parent], 1)
+        return _padded(self.token_pass(flat, meta, rope, caches), batch.rows, B, T)
 
     def token_forward(self, tokens: Tensor, meta: Tensor, rope: dict[str, tuple[Tensor, Tensor]],
                       caches: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """The pass over N real tokens [N] of a ragged batch: meta [N, 2] is each one's (slot,
-        position), rope[kind] its (cos, sin) [N, hd]. Returns pre-norm hidden states [N, dim]."""
+        """The pass over N real tokens [N] of a ragged batch: meta [N, 4] is each one's (slot,
+        position, row, parent) (token_pass.TokenKV), rope[kind] its (cos, sin) [N, hd]. Returns
+        pre-norm hidden states [N, dim]."""
         from specdec.models.token_pass import TokenKV
 
         x = self.embed_tokens(tokens)

@@ -148,25 +148,42 @@ class LayerKV:
 
 
 class BatchIndex:
-    """Where each row of a ragged batch lives in the slot cache."""
+    """Where each row of a ragged batch lives in the slot cache.
 
-    def __init__(self, slots: list[int], start_pos: list[int], lengths: list[int], trash_pos: int, device):
+    trees[b] (None: a chain, each input following the one before) gives a draft tree's inputs'
+    parents among that sequence's inputs (-1: the first input, which follows the slot's tokens).
+    A tree's inputs take the rows after the sequence's tokens, in order, each at the position of
+    its depth, and each sees the sequence's tokens and its own ancestors."""
+
+    def __init__(self, slots: list[int], start_pos: list[int], lengths: list[int], trash_pos: int, device,
+                 trees: list[list[int] | None] | None = None):
         B, T = len(slots), max(lengths)
         self.start_pos, self.lengths = list(start_pos), list(lengths)
-        pos = torch.arange(T).unsqueeze(0) + torch.tensor(start_pos).unsqueeze(1)  # [B, T]
+        self.trees = trees if trees is not None and any(t is not None for t in trees) else None
+        rows = torch.arange(T).unsqueeze(0) + torch.tensor(start_pos).unsqueeze(1)  # [B, T]
+        depth = _depths(self.trees, lengths, T)  # [B, T]
+        pos = rows if depth is None else depth + torch.tensor(start_pos).unsqueeze(1)
         valid = torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)  # [B, T]
         self.rope_pos = torch.where(valid, pos, 0).to(device)
-        self.write_pos = torch.where(valid, pos, trash_pos).to(device)
+        self.write_pos = torch.where(valid, rows, trash_pos).to(device)
+        # each input's parent among the batch's real inputs, numbered in order (-1: none in the pass)
+        first = torch.tensor([0] + lengths[:-1]).cumsum(0).unsqueeze(1)  # [B, 1]
+        par = _parents(self.trees, lengths, T)  # [B, T]
+        self.parent = torch.where(par >= 0, par + first, -1).to(device)
         self.slots = torch.tensor(slots, device=device)
         self.slot_index = self.slots.unsqueeze(1)  # [B, 1], broadcasts against write_pos
         self.ctx = max(s + n for s, n in zip(start_pos, lengths))
         s0 = slots[0]
         self.slot_range = (s0, s0 + B) if slots == list(range(s0, s0 + B)) else None
+        self._key_pos: Tensor | None = None  # [B, ctx] each cached row's position (trees only)
         if B == 1 and T == 1:
             self.mask = None  # one query attends to the whole context: no mask needed
-        else:  # query at position p sees keys 0..p; padded queries see key 0 only (kept finite)
+        elif self.trees is None:  # query at position p sees keys 0..p; padded queries see key 0 only (kept finite)
             keys = torch.arange(self.ctx, device=device)
             self.mask = (keys.view(1, 1, -1) <= self.rope_pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, ctx]
+        else:
+            self.mask, self._key_pos = _tree_mask(par, depth, valid, start_pos, self.ctx)
+            self.mask, self._key_pos = self.mask.to(device), self._key_pos.to(device)
         self._window_masks: dict[int, Tensor] = {}
         self.valid = valid.to(device)
         # the real tokens' places in the flattened [B * T] batch, when some rows are padding: a
@@ -182,8 +199,55 @@ class BatchIndex:
         if window not in self._window_masks:
             keys = torch.arange(self.ctx, device=self.rope_pos.device).view(1, 1, -1)
             pos = self.rope_pos.unsqueeze(-1)  # [B, T, 1]
-            self._window_masks[window] = ((keys <= pos) & (keys > pos - window)).unsqueeze(1)
+            if self._key_pos is None:
+                self._window_masks[window] = ((keys <= pos) & (keys > pos - window)).unsqueeze(1)
+            else:  # a tree's rows hold positions of their depth
+                self._window_masks[window] = self.mask & (self._key_pos.unsqueeze(1) > pos - window).unsqueeze(1)
         return self._window_masks[window]
+
+
+def _parents(trees: list[list[int] | None] | None, lengths: list[int], T: int) -> Tensor:
+    """[B, T] each input's parent among its sequence's inputs (-1: none; padding -1)."""
+    par = torch.arange(T).unsqueeze(0).repeat(len(lengths), 1) - 1
+    for b, n in enumerate(lengths):
+        if trees is not None and trees[b] is not None:
+            par[b, :n] = torch.tensor(trees[b])
+        par[b, n:] = -1
+    return par
+
+
+def _depths(trees: list[list[int] | None] | None, lengths: list[int], T: int) -> Tensor | None:
+    """[B, T] each input's depth in its tree (a chain's input j: j), or None without trees."""
+    if trees is None:
+        return None
+    depth = torch.arange(T).unsqueeze(0).repeat(len(lengths), 1)
+    for b, tree in enumerate(trees):
+        if tree is not None:
+            d = []
+            for p in tree:
+                d.append(0 if p < 0 else d[p] + 1)
+            depth[b, : len(d)] = torch.tensor(d)
+    return depth
+
+
+def _tree_mask(par: Tensor, depth: Tensor, valid: Tensor, start_pos: list[int], ctx: int) -> tuple[Tensor, Tensor]:
+    """([B, 1, T, ctx] which cached rows each input sees, [B, ctx] each row's position): the
+    sequence's own tokens and the input's ancestors (itself included); padding sees row 0."""
+    B, T = par.shape
+    anc = torch.zeros(B, T, T, dtype=torch.bool)
+    for t in range(T):  # parents come first, so their rows are complete
+        anc[:, t, t] = True
+        has = par[:, t] >= 0
+        anc[has, t] |= anc[has, par[has, t]]
+    keys = torch.arange(ctx).unsqueeze(0)  # [1, ctx]
+    start = torch.tensor(start_pos).unsqueeze(1)  # [B, 1]
+    rel = keys - start  # [B, ctx] row within the inputs
+    inside = (rel >= 0) & (rel < T)
+    sees = anc.gather(2, rel.clamp(0, T - 1).unsqueeze(1).expand(B, T, ctx)) & inside.unsqueeze(1)  # [B, T, ctx]
+    mask = (rel < 0).unsqueeze(1) | sees
+    mask = torch.where(valid.unsqueeze(-1), mask, keys.unsqueeze(1) == 0)
+    key_pos = torch.where(inside, start + depth.gather(1, rel.clamp(0, T - 1)), keys)
+    return mask.unsqueeze(1), key_pos
 
 
 def gelu_tanh(x: Tensor) -> Tensor:

@@ -150,8 +150,10 @@ class ModelRunner:
 
     # -- compute -----------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, seq_ids: list[str], inputs: list[list[int]]) -> tuple[Tensor, Tensor]:
-        """Feed `inputs[i]` after what slot i holds, in one ragged batch.
+    def forward(self, seq_ids: list[str], inputs: list[list[int]],
+                trees: list[list[int] | None] | None = None) -> tuple[Tensor, Tensor]:
+        """Feed `inputs[i]` after what slot i holds, in one ragged batch; trees[i] (None: a chain)
+        makes them a token tree (layers.BatchIndex), which `keep_path` then cuts to one path.
         Returns hidden states [B, T, dim] and the validity mask [B, T]."""
         slots = [self.slots[s] for s in seq_ids]
         lengths = [len(x) for x in inputs]
@@ -159,11 +161,25 @@ class ModelRunner:
         tok = torch.zeros(len(inputs), T, dtype=torch.long)
         for i, x in enumerate(inputs):
             tok[i, : len(x)] = torch.tensor(x)
-        batch = BatchIndex([s.index for s in slots], [len(s.tokens) for s in slots], lengths, self.max_len, self.device)
+        batch = BatchIndex([s.index for s in slots], [len(s.tokens) for s in slots], lengths, self.max_len, self.device,
+                           trees)
         hidden = self.model(tok.to(self.device), batch, self.caches)
         for s, x in zip(slots, inputs):
             s.tokens.extend(x)
         return hidden, batch.valid
+
+    def keep_path(self, seq_id: str, start: int, path: list[int]) -> None:
+        """After a token tree fed at row `start`: keep the inputs at `path` (indices, root first)
+        as the sequence's next tokens, their K/V moved to the rows of their positions."""
+        slot = self.slots[seq_id]
+        moves = [(start + j, start + i) for i, j in enumerate(path) if i != j]  # (from, to); to < from
+        if moves:
+            src = torch.tensor([m[0] for m in moves], device=self.device)
+            dst = torch.tensor([m[1] for m in moves], device=self.device)
+            for kc, vc in self.caches:
+                kc[slot.index, :, dst] = kc[slot.index, :, src]
+                vc[slot.index, :, dst] = vc[slot.index, :, src]
+        slot.tokens[start:] = [slot.tokens[start + j] for j in path]
 
     def warm_up(self) -> None:
         """A compiled model compiles at its first pass: make that pass now, at start-up, rather

@@ -27,19 +27,32 @@ _LIB.define("attend_tokens(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Ten
             "int window, float scale, float softcap) -> Tensor")
 
 
+def path_rows(meta: list[list[int]], i: int) -> tuple[int, list[int]]:
+    """(first position, rows): where token i's ancestors' keys lie, by position from the first;
+    every position before it is its own row (see TokenKV)."""
+    rows, a, first = [], i, meta[i][1]
+    while a >= 0:
+        rows.append(meta[a][2])
+        first, a = meta[a][1], meta[a][3]
+    return first, rows[::-1]
+
+
 def attend_tokens(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Tensor,
                   window: int, scale: float, softcap: float) -> Tensor:
-    """Write each token's k/v [N, Hkv, hd] at its (slot, position) (meta [N, 2]), then attend each
-    query q [N, H, hd] over its own slot's keys up to its position (the last `window` of them when
-    window > 0), alone: the same call a 1-token pass of that sequence makes (softcap 0: none)."""
-    slots, pos = meta[:, 0], meta[:, 1]
-    k_cache[slots, :, pos] = k
-    v_cache[slots, :, pos] = v
+    """Write each token's k/v [N, Hkv, hd] at its (slot, row) (meta [N, 4]: slot, position, row,
+    parent), then attend each query q [N, H, hd] over its own keys up to its position (the last
+    `window` of them when window > 0), alone: the same call a 1-token pass of that sequence makes
+    (softcap 0: none)."""
+    k_cache[meta[:, 0], :, meta[:, 2]] = k
+    v_cache[meta[:, 0], :, meta[:, 2]] = v
     heads, hd = q.shape[1:]
     out = torch.empty_like(q)
-    for i, (s, p) in enumerate(meta.tolist()):
+    rows = meta.tolist()
+    for i, (s, p, _, _) in enumerate(rows):
         lo = max(0, p + 1 - window) if window > 0 else 0
-        y = attention(q[i].view(1, heads, 1, hd), k_cache[s : s + 1, :, lo : p + 1], v_cache[s : s + 1, :, lo : p + 1],
+        first, path = path_rows(rows, i)
+        idx = torch.tensor([j if j < first else path[j - first] for j in range(lo, p + 1)], device=q.device)
+        y = attention(q[i].view(1, heads, 1, hd), k_cache[s : s + 1, :, idx], v_cache[s : s + 1, :, idx],
                       None, scale, softcap or None)
         out[i] = y.view(heads, hd)
     return out
@@ -57,7 +70,13 @@ def _(q, k, v, k_cache, v_cache, meta, window, scale, softcap):
 
 class TokenKV:
     """One layer's slot cache in a token pass, where the pass's tokens go in it, and the attention
-    op: specdec's kernel (models.kernels) on CPU in bfloat16, else `attend_tokens` above."""
+    op: specdec's kernel (models.kernels) on CPU in bfloat16, else `attend_tokens` above.
+
+    meta [N, 4] per token: (slot, position, row, parent). A token's K/V go to its row, which is its
+    position except in a draft tree (siblings share a position: the tree's nodes take the rows
+    after the sequence's, in order). parent: the pass's token one position before on its path
+    (-1: every earlier position is its own row). Attention reads keys by position, so a tree node
+    computes what the same tokens compute as a plain sequence."""
 
     def __init__(self, k_cache: Tensor, v_cache: Tensor, meta: Tensor, op):
         self.k_cache, self.v_cache, self.meta, self.op = k_cache, v_cache, meta, op
@@ -76,8 +95,8 @@ def attention_op(device: torch.device, dtype: torch.dtype):
 
 
 class TokenPass:
-    """`model.token_forward` run eagerly or compiled; call with tokens [N], positions [N],
-    meta [N, 2] (slot, position), rope {kind: (cos, sin) [N, hd]} and the caches."""
+    """`model.token_forward` run eagerly or compiled; call with tokens [N], meta [N, 4] (slot,
+    position, row, parent: see TokenKV), rope {kind: (cos, sin) [N, hd]} and the caches."""
 
     def __init__(self, model: torch.nn.Module, compiled: bool):
         self.compiled = compiled

@@ -4,12 +4,17 @@ Each round the verifier hands back the feature f_t that produced the sequence's 
 x_{t+1} (`ProposeRequest.feature`). The head maps (f_t, x_{t+1}) -> f^_{t+1}, drafts x_{t+2} from
 the verifier's LM head (restricted to the draft vocabulary) over f^_{t+1}, then continues from
 (f^_{t+1}, x_{t+2}). Stateless: no cache, nothing to free. A sequence without a feature yet (its
-first round) gets no drafts."""
+first round) gets no drafts.
+
+With a tree width w > 1 it drafts a token tree instead: K deep, the w likeliest paths kept at
+each depth (`_trees`). Every draft carries its confidence (the head's probability of its path),
+by which adaptive speculation keeps only the drafts worth verifying (specdec.confidence)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from specdec.models.draft_head import DraftHead
 from specdec.models.llama import Transformer
@@ -27,13 +32,15 @@ def shipped_head_dir() -> Path:
 class FeatureHeadProposer:
     name = "eagle"
 
-    def __init__(self, head: DraftHead):
+    def __init__(self, head: DraftHead, tree_width: int = 1):
         self.head = head.eval().requires_grad_(False)
+        self.tree_width = tree_width  # children per tree node (1: chains)
 
     @classmethod
-    def from_pretrained(cls, head_dir: str | Path | None, verifier_model: Transformer) -> "FeatureHeadProposer":
+    def from_pretrained(cls, head_dir: str | Path | None, verifier_model: Transformer,
+                        tree_width: int = 1) -> "FeatureHeadProposer":
         """Load a head saved by `DraftHead.save` (None = the shipped one) onto `verifier_model`."""
-        return cls(DraftHead.load(head_dir or shipped_head_dir(), verifier_model))
+        return cls(DraftHead.load(head_dir or shipped_head_dir(), verifier_model), tree_width)
 
     def free(self, seq_id: str) -> None:
         pass
@@ -44,33 +51,89 @@ class FeatureHeadProposer:
         live = [i for i, r in enumerate(requests) if r.num_speculative_tokens > 0 and r.feature is not None]
         if not live:
             return out
-        head = self.head
-        dev, dt = head.head_weight.device, head.head_weight.dtype
-        V = head.cfg.vocab_size
-        vocab_ids = head.vocab_ids
+        dev, dt = self.head.head_weight.device, self.head.head_weight.dtype
         feat = torch.stack([requests[i].feature.reshape(-1) for i in live]).to(dev, dt)  # [B, dim]
         tok = torch.tensor([requests[i].tokens[-1] for i in live], dtype=torch.long, device=dev)  # [B]
-        ks = [requests[i].num_speculative_tokens for i in live]
-        params = [requests[i].params for i in live]
-        gens = [None if p.greedy else round_generator(p.seed, len(requests[i].tokens), "draft", dev)
-                for i, p in zip(live, params)]
-        probs: dict[int, list] = {i: [] for i, p in zip(live, params) if not p.greedy}
+        draft = self._chains if self.tree_width == 1 else self._trees
+        for i, p in zip(live, draft([requests[i] for i in live], feat, tok)):
+            out[i] = p
+        return out
+
+    def _chains(self, reqs: list[ProposeRequest], feat: Tensor, tok: Tensor) -> list[Proposal]:
+        """K drafts each, one after another: greedy requests' the head's argmax, sampled ones'
+        drawn from its q (returned as probs)."""
+        head, V = self.head, self.head.cfg.vocab_size
+        out = [Proposal([], None, scores=[]) for _ in reqs]
+        ks = [r.num_speculative_tokens for r in reqs]
+        gens = [None if r.params.greedy else round_generator(r.params.seed, len(r.tokens), "draft", feat.device)
+                for r in reqs]
+        probs: dict[int, list] = {b: [] for b, r in enumerate(reqs) if not r.params.greedy}
+        conf = torch.ones(len(reqs), device=feat.device)  # each chain's probability so far
         for step in range(max(ks)):
             feat = head(feat, tok)  # [B, dim] predicted next feature
             logits = head.draft_logits(feat).float()  # [B, Vd]
-            nxt = vocab_ids[logits.argmax(dim=-1)]  # greedy choice, full-vocab ids
-            for row, i in enumerate(live):
-                if step >= ks[row] or params[row].greedy:
+            best = logits.argmax(dim=-1)
+            nxt, p_tok = head.vocab_ids[best], torch.softmax(logits, dim=-1).gather(1, best[:, None])[:, 0]
+            for b, r in enumerate(reqs):
+                if step >= ks[b] or r.params.greedy:
                     continue
                 full = logits.new_full((1, V), float("-inf"))
-                full[0, vocab_ids] = logits[row]
-                q = logits_to_probs(full, params[row])[0]  # [V], zero outside the draft vocab
-                nxt[row] = draw(q, gens[row])[0]
-                probs[i].append(q)
-            for row, i in enumerate(live):
-                if step < ks[row]:
-                    out[i].token_ids.append(int(nxt[row]))
+                full[0, head.vocab_ids] = logits[b]
+                q = logits_to_probs(full, r.params)[0]  # [V], zero outside the draft vocab
+                nxt[b] = draw(q, gens[b])[0]
+                p_tok[b] = q[nxt[b]]
+                probs[b].append(q)
+            conf = conf * p_tok
+            for b, (t, c) in enumerate(zip(nxt.tolist(), conf.tolist())):
+                if step < ks[b]:
+                    out[b].token_ids.append(t)
+                    out[b].scores.append(c)
             tok = nxt
-        for i, plist in probs.items():
-            out[i].probs = torch.stack(plist)  # [K, V]
+        for b, plist in probs.items():
+            out[b].probs = torch.stack(plist)  # [K, V]
         return out
+
+    def _trees(self, reqs: list[ProposeRequest], feat: Tensor, tok: Tensor) -> list[Proposal]:
+        """A tree each, K deep: at every depth the w likeliest paths (by the head's probability
+        of the whole path) among the children of the w kept at the depth before, each with its w
+        likeliest next tokens (EAGLE-2's expansion). Candidates are deterministic, so q is one-hot
+        and sampled requests verify them by multi-candidate rejection (tree_sampler)."""
+        head, w, B = self.head, self.tree_width, len(reqs)
+        ks = [r.num_speculative_tokens for r in reqs]
+        logp = torch.zeros(B, 1, device=feat.device)  # [B, rows] each kept path's log-probability
+        level: list[list[int]] = [[-1] for _ in range(B)]  # node index of each kept row (-1: the root)
+        nodes: list[list[tuple[int, int, float]]] = [[] for _ in range(B)]  # (token, parent, score)
+        for step in range(max(ks)):
+            feat = head(feat, tok)  # [B * rows, dim]
+            lp = torch.log_softmax(head.draft_logits(feat).float(), dim=-1)  # [B * rows, Vd]
+            top_lp, top_i = lp.topk(w, dim=-1)  # [B * rows, w]
+            cand = (logp.reshape(-1, 1) + top_lp).view(B, -1)  # [B, rows * w]
+            logp, pick = cand.topk(w, dim=-1)  # [B, w] the w likeliest paths one deeper
+            row = pick // w  # [B, w] which kept row each extends
+            tok = head.vocab_ids[top_i.view(B, -1).gather(1, pick)]  # [B, w]
+            feat = feat.view(B, -1, feat.shape[-1]).gather(1, row[..., None].expand(-1, -1, feat.shape[-1]))
+            feat, tok = feat.reshape(B * w, -1), tok.reshape(-1)
+            prev, level = level, [[] for _ in range(B)]
+            for b, (ts, rs, ls) in enumerate(zip(tok.view(B, w).tolist(), row.tolist(), logp.exp().tolist())):
+                if step < ks[b]:
+                    for t, r, sc in zip(ts, rs, ls):
+                        level[b].append(len(nodes[b]))
+                        nodes[b].append((t, prev[b][r], sc))
+        return [_preorder(n) for n in nodes]
+
+
+def _preorder(nodes: list[tuple[int, int, float]]) -> Proposal:
+    """A tree given level by level, (token, parent, score) with parents first, as a Proposal in
+    depth-first order, likeliest child first: the likeliest path then sits at the rows of its own
+    positions (kept without moving its K/V) and is one run of the attention kernel."""
+    children: list[list[int]] = [[] for _ in range(len(nodes) + 1)]
+    for j, (_, parent, _) in enumerate(nodes):
+        children[parent + 1].append(j)
+    order, new_index, stack = [], {}, list(reversed(children[0]))
+    while stack:
+        j = stack.pop()
+        new_index[j] = len(order)
+        order.append(j)
+        stack += sorted(children[j + 1], key=lambda c: nodes[c][2])  # likeliest popped first
+    return Proposal([nodes[j][0] for j in order], None, [new_index.get(nodes[j][1], -1) for j in order],
+                    [nodes[j][2] for j in order])

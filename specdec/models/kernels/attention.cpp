@@ -3,9 +3,17 @@
 // computed by the same code whatever N is and whichever thread runs it, so a token's output never
 // depends on the other tokens of its pass: the batch invariance speculation needs in bfloat16,
 // for the cost of one call per layer rather than one per token.
+//
+// Token trees: a token's keys and values are written at its cache row, which is its position
+// except in a draft tree, whose nodes share positions (siblings) and so take rows after the
+// sequence's. A token's parent (an earlier token of the pass, or -1) says where its ancestors'
+// keys lie: position j < p reads row j up to the first ancestor with no parent, and the rows of
+// its ancestors above that. Keys are summed by position, never by row, so a node's result is the
+// bits the same tokens give as a plain sequence.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -204,17 +212,21 @@ struct Run {  // what one task reads and writes
   const uint16_t *k, *v;  // this slot and head's keys/values [L][hd]
   int64_t T, G, hd, L;
   float scale, softcap;
+  const int64_t* rows;   // rows[j - rows_from]: the row holding position j >= rows_from (a tree's)
+  int64_t rows_from, rows_len;
+  int64_t row(int64_t j) const { return j >= rows_from && j < rows_from + rows_len ? rows[j - rows_from] : j; }
 };
 
-// keys/values base .. base + 16 of [L][hd] bf16 -> fp32 [16][hd], rows past L zero
-inline void widen_block(const uint16_t* src, int64_t base, int64_t L, int64_t hd, float* dst) {
+// keys/values at positions base .. base + 16 of [L][hd] bf16 -> fp32 [16][hd], positions past L zero
+inline void widen_block(const Run& R, const uint16_t* src, int64_t base, float* dst) {
+  const int64_t hd = R.hd;
   for (int64_t j = 0; j < BLOCK; ++j) {
     float* d = dst + j * hd;
-    if (base + j >= L) {
+    if (base + j >= R.L) {
       std::memset(d, 0, hd * sizeof(float));
       continue;
     }
-    const uint16_t* s = src + (base + j) * hd;
+    const uint16_t* s = src + R.row(base + j) * hd;
     for (int64_t c = 0; c < hd; c += 16) _mm512_storeu_ps(d + c, load16(s + c));
   }
 }
@@ -223,7 +235,7 @@ inline void widen_block(const uint16_t* src, int64_t base, int64_t L, int64_t hd
 template <int NV>
 void score_run(const Run& R, int64_t base, int64_t end, float* kf, float* scores, int64_t span) {
   for (int64_t b0 = base; b0 < end; b0 += BLOCK) {
-    widen_block(R.k, b0, R.L, NV * 16, kf);
+    widen_block(R, R.k, b0, kf);
     for (int64_t r = 0; r < R.T * R.G; ++r) {
       const int64_t t = r / R.G;
       if (R.hi[t] <= b0 || R.lo[t] >= b0 + BLOCK) continue;
@@ -267,7 +279,7 @@ void weigh_run(const Run& R, int64_t base, int64_t end, float* vf, const float* 
   const int64_t Q = R.T * R.G;
   for (int64_t i = 0; i < Q * NV * 16; ++i) out[i] = 0.f;
   for (int64_t b0 = base; b0 < end; b0 += BLOCK) {
-    widen_block(R.v, b0, R.L, NV * 16, vf);
+    widen_block(R, R.v, b0, vf);
     for (int64_t r = 0, heads; r < Q; r += heads) {
       const int64_t t = r / R.G;
       heads = r + 1 < Q && (r + 1) / R.G == t ? 2 : 1;  // a pair sees the same keys: one token's heads
@@ -312,11 +324,25 @@ namespace {
 struct Pass {  // one call's shapes and pointers
   const uint16_t *q, *kc, *vc;
   uint16_t* out;
-  const int64_t* meta;  // [N][2] (slot, position)
+  const int64_t* meta;  // [N][4] (slot, position, row, parent)
   int64_t N, H, Hkv, G, hd, L, window;
   float scale, softcap;
-  int64_t base(int64_t i, int64_t g) const { return (meta[2 * i] * Hkv + g) * L * hd; }  // slot i's head g
-  int64_t lo(int64_t i) const { return window > 0 ? std::max<int64_t>(0, meta[2 * i + 1] + 1 - window) : 0; }
+  bool tree;  // some token's row is not its position
+  int64_t slot(int64_t i) const { return meta[4 * i]; }
+  int64_t pos(int64_t i) const { return meta[4 * i + 1]; }
+  int64_t row(int64_t i) const { return meta[4 * i + 2]; }
+  int64_t parent(int64_t i) const { return meta[4 * i + 3]; }
+  int64_t base(int64_t i, int64_t g) const { return (slot(i) * Hkv + g) * L * hd; }  // slot i's head g
+  int64_t lo(int64_t i) const { return window > 0 ? std::max<int64_t>(0, pos(i) + 1 - window) : 0; }
+  // the rows of token i's path, by position from *from (empty: every position is its own row)
+  void path_rows(int64_t i, std::vector<int64_t>& rows, int64_t* from) const {
+    rows.clear();
+    if (!tree) return;
+    bool moved = false;
+    for (int64_t a = i; a >= 0; a = parent(a)) rows.push_back(row(a)), moved |= row(a) != pos(a), *from = pos(a);
+    if (!moved) rows.clear();
+    std::reverse(rows.begin(), rows.end());
+  }
 };
 
 // token i's query heads of key/value head g -> fp32 [G][hd]
@@ -334,34 +360,53 @@ inline void narrow_out(const Pass& P, int64_t i, int64_t g, const float* src) {
 void attend_per_token(const Pass& P, int64_t longest) {
   at::parallel_for(0, P.N * P.Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(P.G * longest), qf(P.G * P.hd), of(P.G * P.hd);
+    std::vector<uint16_t> kg, vg;  // a tree node's keys/values gathered by position
+    std::vector<int64_t> rows;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t i = t / P.Hkv, g = t % P.Hkv, lo = P.lo(i), n = P.meta[2 * i + 1] + 1 - lo;
+      const int64_t i = t / P.Hkv, g = t % P.Hkv, lo = P.lo(i), n = P.pos(i) + 1 - lo;
       widen_queries(P, i, g, qf.data());
-      const int64_t b = P.base(i, g) + lo * P.hd;
-      attend_group(qf.data(), P.G, P.kc + b, P.vc + b, n, P.hd, P.scale, P.softcap, scores.data(), of.data());
+      const int64_t b = P.base(i, g);
+      const uint16_t *k = P.kc + b + lo * P.hd, *v = P.vc + b + lo * P.hd;
+      int64_t from = 0;
+      P.path_rows(i, rows, &from);
+      if (!rows.empty()) {
+        kg.resize(n * P.hd), vg.resize(n * P.hd);
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t p = lo + j, r = p >= from ? rows[p - from] : p;
+          std::memcpy(&kg[j * P.hd], P.kc + b + r * P.hd, P.hd * sizeof(uint16_t));
+          std::memcpy(&vg[j * P.hd], P.vc + b + r * P.hd, P.hd * sizeof(uint16_t));
+        }
+        k = kg.data(), v = vg.data();
+      }
+      attend_group(qf.data(), P.G, k, v, n, P.hd, P.scale, P.softcap, scores.data(), of.data());
       narrow_out(P, i, g, of.data());
     }
   });
 }
 
 #if defined(__AVX512F__)
-// one task per (run of a slot's consecutive tokens, key/value head)
+// one task per (run of a slot's consecutive tokens, key/value head): a run is a chain, each token
+// the child of the one before, so all of its tokens read the same row at each position
 void attend_by_runs(const Pass& P) {
   std::vector<int64_t> starts;  // run r: tokens starts[r] .. starts[r + 1]
   for (int64_t i = 0; i < P.N; ++i)
-    if (i == 0 || P.meta[2 * i] != P.meta[2 * i - 2] || i - starts.back() == RUN) starts.push_back(i);
+    if (i == 0 || P.parent(i) != i - 1 || i - starts.back() == RUN) starts.push_back(i);
   starts.push_back(P.N);
   const int64_t runs = static_cast<int64_t>(starts.size()) - 1;
+  std::vector<std::vector<int64_t>> rows(runs);  // each run's path rows, from its last token
+  std::vector<int64_t> rows_from(runs, 0);
+  for (int64_t r = 0; r < runs; ++r) P.path_rows(starts[r + 1] - 1, rows[r], &rows_from[r]);
   at::parallel_for(0, runs * P.Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf, qf(RUN * P.G * P.hd), of(RUN * P.G * P.hd);
     int64_t lo[RUN], hi[RUN];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / P.Hkv, g = task % P.Hkv, i0 = starts[r], T = starts[r + 1] - i0;
       for (int64_t t = 0; t < T; ++t) {
-        lo[t] = P.lo(i0 + t), hi[t] = P.meta[2 * (i0 + t) + 1] + 1;
+        lo[t] = P.lo(i0 + t), hi[t] = P.pos(i0 + t) + 1;
         widen_queries(P, i0 + t, g, qf.data() + t * P.G * P.hd);
       }
-      const Run R{qf.data(), lo, hi, P.kc + P.base(i0, g), P.vc + P.base(i0, g), T, P.G, P.hd, P.L, P.scale, P.softcap};
+      const Run R{qf.data(), lo, hi, P.kc + P.base(i0, g), P.vc + P.base(i0, g), T, P.G, P.hd, P.L, P.scale, P.softcap,
+                  rows[r].data(), rows_from[r], static_cast<int64_t>(rows[r].size())};
       switch (P.hd) {
         case 64: attend_run<4>(R, buf, of.data()); break;
         case 96: attend_run<6>(R, buf, of.data()); break;
@@ -374,15 +419,16 @@ void attend_by_runs(const Pass& P) {
 }
 #endif
 
-// write the pass's keys and values at their (slot, position); returns the longest context
+// write the pass's keys and values at their (slot, row); returns the longest context
 int64_t write_caches(const Pass& P, const uint16_t* kn, const uint16_t* vn, uint16_t* kc, uint16_t* vc, int64_t slots) {
   int64_t longest = 0;
   for (int64_t i = 0; i < P.N; ++i) {
-    const int64_t s = P.meta[2 * i], p = P.meta[2 * i + 1];
-    TORCH_CHECK(s >= 0 && s < slots && p >= 0 && p < P.L, "attend_tokens: slot or position out of range");
+    const int64_t s = P.slot(i), p = P.pos(i), row = P.row(i), a = P.parent(i);
+    TORCH_CHECK(s >= 0 && s < slots && p >= 0 && row >= p && row < P.L, "attend_tokens: slot, position or row out of range");
+    TORCH_CHECK(a < i && (a < 0 || (P.slot(a) == s && P.pos(a) == p - 1)), "attend_tokens: a parent is an earlier token one position before");
     for (int64_t g = 0; g < P.Hkv; ++g) {
-      std::memcpy(kc + P.base(i, g) + p * P.hd, kn + (i * P.Hkv + g) * P.hd, P.hd * sizeof(uint16_t));
-      std::memcpy(vc + P.base(i, g) + p * P.hd, vn + (i * P.Hkv + g) * P.hd, P.hd * sizeof(uint16_t));
+      std::memcpy(kc + P.base(i, g) + row * P.hd, kn + (i * P.Hkv + g) * P.hd, P.hd * sizeof(uint16_t));
+      std::memcpy(vc + P.base(i, g) + row * P.hd, vn + (i * P.Hkv + g) * P.hd, P.hd * sizeof(uint16_t));
     }
     longest = std::max(longest, p + 1);
   }
@@ -394,7 +440,7 @@ int64_t write_caches(const Pass& P, const uint16_t* kn, const uint16_t* vn, uint
 inline const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
 // q [N, H, hd], k/v [N, Hkv, hd] (this pass's keys and values, written into the caches first),
-// k_cache/v_cache [slots, Hkv, L, hd], meta [N, 2] int64 (slot, position). All bfloat16 but meta.
+// k_cache/v_cache [slots, Hkv, L, hd], meta [N, 4] int64 (slot, position, row, parent). All bfloat16 but meta.
 at::Tensor attend_tokens(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
                          at::Tensor meta, int64_t window, double scale, double softcap) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16,
@@ -404,13 +450,15 @@ at::Tensor attend_tokens(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_
   k = k.contiguous();
   v = v.contiguous();
   meta = meta.to(at::kLong).contiguous();
+  TORCH_CHECK(meta.dim() == 2 && meta.size(1) == 4, "attend_tokens: meta is [N, 4] (slot, position, row, parent)");
   auto out = at::empty_like(q);
   auto* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>());
   auto* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>());
   const int64_t H = q.size(1), Hkv = k.size(1);
-  const Pass P{bits(q), kc, vc, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), meta.data_ptr<int64_t>(),
+  Pass P{bits(q), kc, vc, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), meta.data_ptr<int64_t>(),
                q.size(0), H, Hkv, H / Hkv, q.size(2), k_cache.size(2), window, static_cast<float>(scale),
-               static_cast<float>(softcap)};
+               static_cast<float>(softcap), false};
+  for (int64_t i = 0; i < P.N && !P.tree; ++i) P.tree = P.row(i) != P.pos(i);
   const int64_t longest = write_caches(P, bits(k), bits(v), kc, vc, k_cache.size(0));
   // always across the thread team, even for one token: run inline, a small call left the team's
   // threads to fall asleep, and waking them for the next matmul cost a 1-token pass ~3 ms here
