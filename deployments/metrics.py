@@ -60,7 +60,7 @@ class ServeMetrics:
         self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed")
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
-                                        "Draft tokens accepted at each draft position", ["position"])
+                                        "Draft tokens accepted at each draft position (a token tree's depth)", ["position"])
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the Verifier's prefix cache")
         # a round's calls as the ingress sees them (RPC included): what adaptive K weighs
         self.calls = Histogram(P + "replica_call_seconds", "Drafter / Verifier call latency seen by the ingress",

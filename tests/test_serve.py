@@ -32,7 +32,25 @@ def server(tmp_path_factory):
         run_app("limited", "/limited", {**TINY, "draft": "none", "rate_limit": "4/minute", "decode_steps": 1,
                                         "request_timeout_s": 0.5, "api_keys_env": None})
         run_app("shipped", "/shipped", {**MODELS, "api_keys_env": None})
+        # the draft head's token trees, three children a node, travelling Drafter -> Verifier
+        run_app("tree", "/tree", {**TINY, "draft": str(_tiny_head(tmp_path_factory.mktemp("head"))),
+                                  "draft_tree_width": 3, "api_keys_env": None})
         yield {"url": url, "verifier": verifier, "drafter": drafter}
+
+
+def _tiny_head(out):
+    """A random draft head for the tiny verifier, saved where a Drafter can load it."""
+    import torch
+
+    from specdec.models.draft_head import DraftHead, DraftHeadConfig
+    from specdec.models.tiny import build_from_spec
+
+    target = build_from_spec("tiny")
+    torch.manual_seed(0)
+    a = target.args
+    cfg = DraftHeadConfig(dim=a.dim, hidden_size=64, n_blocks=1, draft_vocab_size=128, vocab_size=a.vocab_size)
+    DraftHead(cfg, torch.arange(128)).attach(target).save(out)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +106,15 @@ def test_the_shipped_config_serves_the_engines_greedy_output(server, reference):
                                                   "temperature": temperature, "seed": 5}, key=None, prefix="/shipped")
         assert r.status_code == 200
         assert temperature or r.json()["choices"][0]["message"]["content"] == want
+
+
+def test_token_trees_through_serve_keep_the_greedy_output(server, reference):
+    r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 40, "temperature": 0},
+             key=None, prefix="/tree")
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["message"]["content"] == greedy(reference, CHAT).text
+    spec = r.json()["usage"]["speculative"]
+    assert spec["num_drafted"] > 3 * spec["num_verifier_passes"]  # trees: several drafts a depth
 
 
 def test_a_draft_call_after_its_sequence_ended_drafts_and_caches_nothing():
