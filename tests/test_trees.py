@@ -143,3 +143,25 @@ def test_adaptive_trees_stay_lossless(target):
     cfg = EngineConfig(num_speculative_tokens=4, adaptive=True, draft_tree_width=2)
     eng = SpecEngine(Verifier(ModelRunner(target, 8, 512)), FeatureHeadProposer(_random_head(target, 64), 2), None, cfg)
     assert [c.token_ids for c in eng.generate(prompts, GREEDY)] == plain
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_tree_masks_see_each_nodes_path_as_a_chain_would(window):
+    """The padded path's masks: a node sees the rows of the positions a chain of its path sees
+    (a sliding window counted in positions, not rows)."""
+    from specdec.models.layers import BatchIndex
+
+    tree = [-1, 0, 1, 0, 3, 4]  # inputs: root, a branch of two, another of three
+    start, ctx_rows = 6, 12
+    b = BatchIndex([0], [start], [len(tree)], 99, "cpu", [tree])
+    mask = b.mask_for(window)[0, 0]  # [T, ctx]
+    for t in range(len(tree)):
+        path, a = [], t
+        while a >= 0:
+            path.append(a)
+            a = tree[a]
+        rows_by_pos = list(range(start)) + [start + j for j in reversed(path)]  # position -> row
+        p = len(rows_by_pos) - 1
+        want = {rows_by_pos[q] for q in range(p + 1) if window is None or q > p - window}
+        assert {r for r in range(ctx_rows) if r < mask.shape[-1] and mask[t, r]} == want, t
+        assert int(b.rope_pos[0, t]) == p

@@ -175,35 +175,44 @@ class BatchIndex:
         self.ctx = max(s + n for s, n in zip(start_pos, lengths))
         s0 = slots[0]
         self.slot_range = (s0, s0 + B) if slots == list(range(s0, s0 + B)) else None
+        self._tree = (par, depth, valid) if self.trees is not None else None
+        self._masks: dict[int | None, Tensor | None] = {}  # by window, built on first use (token passes use none)
         self._key_pos: Tensor | None = None  # [B, ctx] each cached row's position (trees only)
-        if B == 1 and T == 1:
-            self.mask = None  # one query attends to the whole context: no mask needed
-        elif self.trees is None:  # query at position p sees keys 0..p; padded queries see key 0 only (kept finite)
-            keys = torch.arange(self.ctx, device=device)
-            self.mask = (keys.view(1, 1, -1) <= self.rope_pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, ctx]
-        else:
-            self.mask, self._key_pos = _tree_mask(par, depth, valid, start_pos, self.ctx)
-            self.mask, self._key_pos = self.mask.to(device), self._key_pos.to(device)
-        self._window_masks: dict[int, Tensor] = {}
         self.valid = valid.to(device)
         # the real tokens' places in the flattened [B * T] batch, when some rows are padding: a
         # round where a few sequences of a big batch verify K drafts and the rest one token would
         # otherwise run every matmul over B * (K + 1) rows (4x the work at 16 sequences and K = 3)
         self.rows = None if bool(valid.all()) else valid.flatten().nonzero().squeeze(1).to(device)
 
+    @property
+    def mask(self) -> Tensor | None:
+        """[B, 1, T, ctx] which cached rows each query sees (None: one query, every row)."""
+        if None not in self._masks:
+            B, T = self.rope_pos.shape
+            dev = self.rope_pos.device
+            if B == 1 and T == 1:
+                self._masks[None] = None  # one query attends to the whole context: no mask needed
+            elif self._tree is None:  # query at position p sees keys 0..p; padded queries see key 0 only (kept finite)
+                keys = torch.arange(self.ctx, device=dev)
+                self._masks[None] = (keys.view(1, 1, -1) <= self.rope_pos.unsqueeze(-1)).unsqueeze(1)
+            else:
+                mask, key_pos = _tree_mask(*self._tree, self.start_pos, self.ctx)
+                self._masks[None], self._key_pos = mask.to(dev), key_pos.to(dev)
+        return self._masks[None]
+
     def mask_for(self, window: int | None) -> Tensor | None:
         """The mask of a layer that sees only the last `window` positions (HF: key > query - window).
         The cache keeps every position; a sliding layer just masks out the old ones."""
         if window is None or self.ctx <= window:  # every key a query may see is inside its window
             return self.mask
-        if window not in self._window_masks:
+        if window not in self._masks:
             keys = torch.arange(self.ctx, device=self.rope_pos.device).view(1, 1, -1)
             pos = self.rope_pos.unsqueeze(-1)  # [B, T, 1]
-            if self._key_pos is None:
-                self._window_masks[window] = ((keys <= pos) & (keys > pos - window)).unsqueeze(1)
+            if self._tree is None:
+                self._masks[window] = ((keys <= pos) & (keys > pos - window)).unsqueeze(1)
             else:  # a tree's rows hold positions of their depth
-                self._window_masks[window] = self.mask & (self._key_pos.unsqueeze(1) > pos - window).unsqueeze(1)
-        return self._window_masks[window]
+                self._masks[window] = self.mask & (self._key_pos.unsqueeze(1) > pos - window).unsqueeze(1)
+        return self._masks[window]
 
 
 def _parents(trees: list[list[int] | None] | None, lengths: list[int], T: int) -> Tensor:
