@@ -71,3 +71,16 @@ def assert_cache_equals_fresh_recompute(runner, seqs, model) -> list[int]:
 def ragged_prompts(n=8, seed=0, vocab=256):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (3 + 5 * i,), generator=g).tolist() for i in range(n)]
+
+
+def tiny_head_dir(out):
+    """A random draft head for the tiny verifier, saved where a Drafter can load it."""
+    from specdec.models.draft_head import DraftHead, DraftHeadConfig
+    from specdec.models.tiny import build_from_spec
+
+    target = build_from_spec("tiny")
+    torch.manual_seed(0)
+    a = target.args
+    cfg = DraftHeadConfig(dim=a.dim, hidden_size=64, n_blocks=1, draft_vocab_size=128, vocab_size=a.vocab_size)
+    DraftHead(cfg, torch.arange(128)).attach(target).save(out)
+    return out

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from conftest import tiny_head_dir
 from specdec.bench.run import main
 
 
@@ -15,15 +16,17 @@ def _keep_threads():
     torch.set_num_threads(n)
 
 SUMMARY_KEYS = {"greedy_speedup_vs_k0", "sampled_speedup_vs_k0", "speedup_vs_hf_assisted", "speedup_vs_hf_plain",
-                "acceptance_rate_k4", "best_k", "draft_cost_ratio_c", "verify_cost_ratio_5_vs_1", "realized_vs_predicted"}
+                "acceptance_rate_k4", "best_k", "draft_cost_ratio_c", "verify_cost_ratio_5_vs_1", "realized_vs_predicted",
+                "tokens_per_pass_default", "greedy_identical_to_k0"}
 
 
 def test_quick_bench_on_tiny_models(tmp_path):
     out = tmp_path / "summary.json"
-    assert main(["--quick", "--verifier", "tiny", "--draft", "tiny:noise=0.05", "--threads", "1", "--max-tokens", "8",
+    head = tiny_head_dir(tmp_path / "head")  # a draft head: its token-tree rows too
+    assert main(["--quick", "--verifier", "tiny", "--draft", str(head), "--threads", "1", "--max-tokens", "8",
                  "--name", "smoke", "--results-dir", str(tmp_path), "--out", str(out)]) == 0
     res = json.loads((tmp_path / "smoke.json").read_text())
-    assert {r["row"] for r in res["greedy"]} == {"k0", "k1", "k2", "k4", "adaptive", "ngram"}
+    assert {r["row"] for r in res["greedy"]} == {"k0", "k1", "k2", "k4", "adaptive", "adaptive_w2", "adaptive_w4", "ngram"}
     assert all(r["identical_to_k0"] for r in res["greedy"])  # greedy speculation is lossless, every row
     assert [int(t) for t in res["verify_cost_ms"]] == list(range(1, 10))
     assert (tmp_path / "smoke.png").stat().st_size > 0 and "| k0 |" in (tmp_path / "smoke.md").read_text()

@@ -8,6 +8,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from conftest import tiny_head_dir
 from serve_helpers import run_app, serve_cluster
 
 pytestmark = pytest.mark.serve
@@ -33,24 +34,9 @@ def server(tmp_path_factory):
                                         "request_timeout_s": 0.5, "api_keys_env": None})
         run_app("shipped", "/shipped", {**MODELS, "api_keys_env": None})
         # the draft head's token trees, three children a node, travelling Drafter -> Verifier
-        run_app("tree", "/tree", {**TINY, "draft": str(_tiny_head(tmp_path_factory.mktemp("head"))),
+        run_app("tree", "/tree", {**TINY, "draft": str(tiny_head_dir(tmp_path_factory.mktemp("head"))),
                                   "draft_tree_width": 3, "api_keys_env": None})
         yield {"url": url, "verifier": verifier, "drafter": drafter}
-
-
-def _tiny_head(out):
-    """A random draft head for the tiny verifier, saved where a Drafter can load it."""
-    import torch
-
-    from specdec.models.draft_head import DraftHead, DraftHeadConfig
-    from specdec.models.tiny import build_from_spec
-
-    target = build_from_spec("tiny")
-    torch.manual_seed(0)
-    a = target.args
-    cfg = DraftHeadConfig(dim=a.dim, hidden_size=64, n_blocks=1, draft_vocab_size=128, vocab_size=a.vocab_size)
-    DraftHead(cfg, torch.arange(128)).attach(target).save(out)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """The speculation benchmark: every row on the same prompts, interleaved, in one process.
 
 Rows: our K=0 (the baseline), the default draft at fixed K, adaptive K (the shipped default: prompt
-lookup first, then the draft; `adaptive_draft` without lookup), the n-gram proposer,
+lookup first, then the draft; `adaptive_draft` without lookup; `adaptive_w<w>` with the head's token
+trees w children wide, where w is not the default's), the n-gram proposer,
 HF `generate` plain and with prompt lookup (the best assisted generation HF can run here: no other
 model shares SmolLM2's tokenizer). Greedy and sampled. Prints a Markdown table and writes
 bench/results/<name>.json, .md and .png; `--out PATH` also writes the summary figures."""
@@ -127,6 +128,7 @@ class Rows:
 
 
 PEER = "llama_cpp"  # the peer's row: plain greedy decoding in llama.cpp
+TREE_WIDTHS = (1, 2, 4)  # the head's token-tree widths measured beside the default's
 OTHERS = (PEER, "hf_plain", "hf_prompt_lookup")  # rows that are not our engine
 
 
@@ -256,18 +258,23 @@ def build_rows(a: argparse.Namespace, max_tokens: int) -> "Rows":
     from specdec.engine import SpecEngine
     from specdec.models.loader import model_dir
     from specdec.proposers import NgramProposer
+    from specdec.proposers.feature_head import FeatureHeadProposer
 
     cfg = EngineConfig(verifier=a.verifier, draft=a.draft, dtype=a.dtype, adaptive=False, max_seqs=4,
                        max_model_len=2048, lookup_min_n=0, prefix_caching=False)
     base = SpecEngine.from_config(cfg)
-    adaptive, adaptive_draft = (
-        SpecEngine(base.verifier, base.proposers[base.default_proposer], base.tokenizer,
-                   EngineConfig(lookup_min_n=n), {"ngram": NgramProposer()})
-        for n in (EngineConfig().lookup_min_n, 0))
+    prop = base.proposers[base.default_proposer]
+
+    def adaptive(lookup_min_n: int = EngineConfig().lookup_min_n, width: int | None = None) -> SpecEngine:
+        p = prop if width is None else FeatureHeadProposer(prop.head, width)
+        return SpecEngine(base.verifier, p, base.tokenizer, EngineConfig(lookup_min_n=lookup_min_n), {"ngram": NgramProposer()})
+
+    engines = {"adaptive": adaptive(), "adaptive_draft": adaptive(0)}
+    if isinstance(prop, FeatureHeadProposer):  # the head's trees, at the widths the default does not draft
+        engines |= {f"adaptive_w{w}": adaptive(width=w) for w in TREE_WIDTHS if w != prop.tree_width}
     hf_dir = None if a.no_hf else model_dir(a.verifier)  # None for tiny models: HF has no copy of them
     hf = None if hf_dir is None else AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    return Rows(base, {"adaptive": adaptive, "adaptive_draft": adaptive_draft}, hf, base.tokenizer, max_tokens,
-                build_peer(a))
+    return Rows(base, engines, hf, base.tokenizer, max_tokens, build_peer(a))
 
 
 def build_peer(a: argparse.Namespace):
@@ -347,13 +354,14 @@ def main(argv: list[str] | None = None) -> int:
     base = rows.engine
     prompts = load_prompts(per_cat or None)
     ids = [base.tokenizer.chat(p["messages"]) for p in prompts]
-    greedy_rows = ["k0", "k1", "k2", "k4", "adaptive", "ngram"] if a.quick else \
-        ["k0", "k1", "k2", "k3", "k4", "k6", "k8", "adaptive", "adaptive_draft", "ngram"]
+    trees = [r for r in rows.adaptive_engines if r.startswith("adaptive_w")]
+    greedy_rows = ["k0", "k1", "k2", "k4", "adaptive", *trees, "ngram"] if a.quick else \
+        ["k0", "k1", "k2", "k3", "k4", "k6", "k8", "adaptive", "adaptive_draft", *trees, "ngram"]
     if rows.hf is not None:
         greedy_rows += ["hf_plain", "hf_prompt_lookup"]
     if rows.peer is not None:
         greedy_rows += [PEER]
-    sampled_rows = [] if a.no_sampled else ["k0", "k1", "adaptive"]
+    sampled_rows = [] if a.no_sampled else ["k0", "k1", "adaptive", *trees]
 
     print("verify cost curve ...", flush=True)
     curve = verify_cost_curve(base.verifier.runner)
@@ -385,7 +393,7 @@ def summary(out: dict) -> dict:
     s = {r["row"]: r for r in out.get("sampled", [])}
     fixed = [r for r in g if r.startswith("k") and r != "k0"]
     best_k = max(fixed, key=lambda r: g[r]["speedup_vs_k0"]) if fixed else "k0"
-    best_row = max([best_k] + (["adaptive"] if "adaptive" in g else []), key=lambda r: g[r]["speedup_vs_k0"])
+    best_row = max([best_k] + [r for r in g if r.startswith("adaptive")], key=lambda r: g[r]["speedup_vs_k0"])
     curve = out["verify_cost_ms"]
     c = out["draft_cost_ratio_c"]
     k = int(best_k[1:]) if best_k != "k0" else 0
@@ -394,9 +402,14 @@ def summary(out: dict) -> dict:
     tps = lambda row, d=g: d[row]["tokens_per_s"] if row in d else None  # noqa: E731
     best_tps = tps(best_row)
     res = {
-        "greedy_speedup_vs_k0": g[best_row]["speedup_vs_k0"],
+        # the default configuration (adaptive) against K=0, in the precision served
+        "tokens_per_pass_default": g["adaptive"].get("mean_accepted_length") if "adaptive" in g else None,
+        "greedy_speedup_vs_k0": g["adaptive"]["speedup_vs_k0"] if "adaptive" in g else None,
+        "sampled_speedup_vs_k0": s["adaptive"]["speedup_vs_k0"] if "adaptive" in s else None,
+        "greedy_identical_to_k0": all(r["identical_to_k0"] for r in out["greedy"] if r["row"] not in OTHERS),
         "greedy_best_row": best_row,
-        "sampled_speedup_vs_k0": max((s[r]["speedup_vs_k0"] for r in s if r not in ("k0", "hf_plain")), default=None),
+        "greedy_best_speedup_vs_k0": g[best_row]["speedup_vs_k0"],
+        "sampled_best_speedup_vs_k0": max((s[r]["speedup_vs_k0"] for r in s if r not in ("k0", "hf_plain")), default=None),
         "speedup_vs_hf_assisted": best_tps / tps("hf_prompt_lookup") if "hf_prompt_lookup" in g else None,
         "speedup_vs_hf_plain": best_tps / tps("hf_plain") if "hf_plain" in g else None,
         "k0_vs_hf_plain": tps("k0") / tps("hf_plain") if "hf_plain" in g else None,
@@ -409,9 +422,6 @@ def summary(out: dict) -> dict:
         "ngram_extractive_speedup": out["by_category"].get("extract", {}).get("ngram"),
         "adaptive_min_category_ratio": min((v["adaptive"] for v in out["by_category"].values() if "adaptive" in v),
                                            default=None),
-        # our rows against our K=0, in the precision served; HF (float32) and llama.cpp (its own
-        # quantised arithmetic) match it only where the arithmetic does
-        "all_greedy_rows_identical_to_k0": all(r["identical_to_k0"] for r in out["greedy"] if r["row"] not in OTHERS),
         "hf_identical_to_k0": g["hf_plain"]["identical_to_k0"] if "hf_plain" in g else None,
         "speedup_vs_llama_cpp_k0": tps("k0") / tps(PEER) if PEER in g else None,
         "speedup_vs_llama_cpp_default": tps("adaptive") / tps(PEER) if PEER in g and "adaptive" in g else None,
