@@ -18,7 +18,7 @@ train  Fit the head: from (f_i, x_{i+1}) predict f_{i+1}; loss per step = CE of 
        with the true next tokens. Validation accuracy per step on held-out documents is the
        greedy-acceptance estimate per draft position.
 
-    specdec train-draft                    # the shipped head's recipe (~100 min on 2 CPU threads)
+    specdec train-draft                    # the shipped head's recipe (~60 min on 2 CPU threads)
     specdec train-draft --tiny --out DIR   # seconds, tiny random models (tests)
 """
 from __future__ import annotations
@@ -423,9 +423,9 @@ def parse_args(argv):
     g.add_argument("--gen-prompts", type=int, default=2000, help="training prompts answered by the verifier (at most the ~1960 built in)")
     g.add_argument("--gen-max-tokens", type=int, default=256, help="new tokens per answer at most")
     g.add_argument("--gen-batch", type=int, default=64, help="sequences per verifier pass while generating")
-    g.add_argument("--gen-minutes", type=float, default=40.0, help="stop generating after this long")
+    g.add_argument("--gen-minutes", type=float, default=22.0, help="stop generating after this long")
     g.add_argument("--prefill-tokens", type=int, default=400_000, help="documentation tokens to label by prefill")
-    g.add_argument("--prefill-minutes", type=float, default=14.0, help="stop prefilling after this long")
+    g.add_argument("--prefill-minutes", type=float, default=6.0, help="stop prefilling after this long")
     g.add_argument("--prefill-doc-tokens", type=int, default=768, help="tokens per prefilled document at most")
     g.add_argument("--max-len", type=int, default=1024, help="context window while making data")
     g.add_argument("--data-dtype", default="auto", help="the verifier's dtype while making data: the features "
@@ -436,7 +436,7 @@ def parse_args(argv):
     g.add_argument("--blocks", type=int, default=2, help="residual blocks")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=100_000, help="optimizer steps at most")
-    g.add_argument("--train-minutes", type=float, default=40.0, help="stop (cosine schedule ends) after this long; 0 = no limit")
+    g.add_argument("--train-minutes", type=float, default=35.0, help="stop (cosine schedule ends) after this long; 0 = no limit")
     g.add_argument("--batch-size", type=int, default=256, help="start positions per step")
     g.add_argument("--unroll", type=int, default=4, help="chained steps per sample (head runs on its own features)")
     g.add_argument("--lr", type=float, default=1.5e-3)
