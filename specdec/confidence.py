@@ -70,14 +70,14 @@ def prune(proposals: list[Proposal], greedy: list[bool], conf: Confidence, pass_
     keep: list[set[int]] = [set() for _ in proposals]
     for i, j in taken[:best]:
         keep[i].add(j)
-    return [_subset(p, keep[i]) if p.scores and p.token_ids else p for i, p in enumerate(proposals)]
+    return [subset(p, keep[i]) if p.scores and p.token_ids else p for i, p in enumerate(proposals)]
 
 
 def _parent(p: Proposal, j: int) -> int:
     return j - 1 if p.parents is None else p.parents[j]
 
 
-def _subset(p: Proposal, keep: set[int]) -> Proposal:
+def subset(p: Proposal, keep: set[int]) -> Proposal:
     """The drafts at `keep` (a parent kept with each), renumbered in their order."""
     idx = sorted(keep)
     if len(idx) == len(p.token_ids):
@@ -86,4 +86,4 @@ def _subset(p: Proposal, keep: set[int]) -> Proposal:
     return replace(p, token_ids=[p.token_ids[j] for j in idx],
                    probs=None if p.probs is None else p.probs[idx],
                    parents=None if p.parents is None else [new.get(p.parents[j], -1) for j in idx],
-                   scores=[p.scores[j] for j in idx])
+                   scores=None if p.scores is None else [p.scores[j] for j in idx])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from specdec.adaptive import AdaptiveK
-from specdec.confidence import prune
+from specdec.confidence import prune, subset
 from specdec.proposers.ngram import NgramProposer
 from specdec.protocol import Proposal, ProposeRequest, VerifyRequest, VerifyResult
 from specdec.sequence import Delta, Sequence
@@ -81,7 +81,10 @@ class Round:
         if self.adaptive is not None and not self.adaptive.last_probe:  # a probe's drafts are all verified
             proposals = self._prune(idx, proposals)
         for i, p in zip(idx, proposals):
-            self.drafts[i] = p
+            # a tree's nodes all take cache rows: near the end of the context only those that fit
+            # (a prefix of the depth-first order is still a tree)
+            room = self.batch[i].max_len - len(self.batch[i].tokens) - 1
+            self.drafts[i] = p if len(p.token_ids) <= room else subset(p, set(range(max(room, 0))))
 
     def _prune(self, idx: list[int], proposals: list[Proposal]) -> list[Proposal]:
         """The drafts whose calibrated confidence pays for their place in the pass (confidence.py)."""

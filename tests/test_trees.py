@@ -165,3 +165,13 @@ def test_tree_masks_see_each_nodes_path_as_a_chain_would(window):
         want = {rows_by_pos[q] for q in range(p + 1) if window is None or q > p - window}
         assert {r for r in range(ctx_rows) if r < mask.shape[-1] and mask[t, r]} == want, t
         assert int(b.rope_pos[0, t]) == p
+
+
+def test_a_tree_near_the_end_of_the_context_keeps_only_the_nodes_that_fit():
+    target = build_tiny(seed=0)
+    prompt = ragged_prompts(8)[-1][:30]
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    plain = make_engine(target, k=0, max_len=44).generate([prompt], params)[0].token_ids
+    oracle = OracleTrees({tuple(prompt): plain}, target.args.vocab_size)  # 12 nodes a round at K = 3
+    out = make_engine(target, k=3, proposer=oracle, max_len=44).generate([prompt], params)[0]
+    assert out.token_ids == plain and out.finish_reason == "length"
