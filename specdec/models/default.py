@@ -47,6 +47,13 @@ def specdec_home() -> Path:
     return base.expanduser()
 
 
+def use_compile_cache() -> None:
+    """Compiled passes are cached under $SPECDEC_HOME/inductor. Set before torch first imports
+    its compiler: building any module does (torch._dynamo), and that fixes inductor's cache
+    directory for the process (to /tmp/torchinductor_<user> unless this is set)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(specdec_home() / "inductor"))
+
+
 def default_verifier_dir(progress: bool = True) -> Path:
     """The converted default verifier, fetching and converting it on first use."""
     return embedded_model_dir(SMOLLM2, progress)

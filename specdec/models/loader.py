@@ -103,7 +103,9 @@ def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float
     """dtype 'int4': weight-only int4 with bfloat16 activations (CPU); 'auto': int4 where it pays
     (models.quant.pays), else float32. An int4 model's passes are compiled unless `eager`."""
     from specdec.models import quant
+    from specdec.models.default import use_compile_cache
 
+    use_compile_cache()
     model = _load_model(spec, resolve_device(device), resolve_dtype(dtype), progress)
     if dtype == "auto" and quant.pays(model):
         model, dtype = model.to(quant.ACT_DTYPE), "int4"

@@ -14,8 +14,6 @@ so context lengths never reach a guard. Compiled code is cached under $SPECDEC_H
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -103,9 +101,9 @@ class TokenPass:
         w = model.embed.weight
         self.attention = attention_op(w.device, w.dtype)
         if compiled:
-            from specdec.models.default import specdec_home
+            from specdec.models.default import use_compile_cache
 
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(specdec_home() / "inductor"))
+            use_compile_cache()  # where nothing has fixed it yet (load_model sets it first)
             import torch._inductor.config as inductor_config
 
             inductor_config.size_asserts = False  # ~600 shape checks a call, ~0.4 ms of a 1-token pass
