@@ -14,6 +14,7 @@ import time
 
 from specdec.adaptive import AdaptiveK
 from specdec.confidence import prune, subset
+from specdec.models.layers import node_depths
 from specdec.proposers.ngram import NgramProposer
 from specdec.protocol import Proposal, ProposeRequest, VerifyRequest, VerifyResult
 from specdec.sequence import Delta, Sequence
@@ -152,12 +153,7 @@ class Round:
 
 def depth(p: Proposal) -> int:
     """Positions a proposal drafts: a chain's length, a token tree's depth."""
-    if p.parents is None:
-        return len(p.token_ids)
-    d: list[int] = []
-    for q in p.parents:
-        d.append(0 if q < 0 else d[q] + 1)
-    return max(d, default=-1) + 1
+    return len(p.token_ids) if p.parents is None else max(node_depths(p.parents), default=-1) + 1
 
 
 def timed(fn, *args):

@@ -161,14 +161,14 @@ class BatchIndex:
         self.start_pos, self.lengths = list(start_pos), list(lengths)
         self.trees = trees if trees is not None and any(t is not None for t in trees) else None
         rows = torch.arange(T).unsqueeze(0) + torch.tensor(start_pos).unsqueeze(1)  # [B, T]
-        depth = _depths(self.trees, lengths, T)  # [B, T]
+        depth = _depths(self.trees, T)  # [B, T]
         pos = rows if depth is None else depth + torch.tensor(start_pos).unsqueeze(1)
         valid = torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)  # [B, T]
         self.rope_pos = torch.where(valid, pos, 0).to(device)
         self.write_pos = torch.where(valid, rows, trash_pos).to(device)
         # each input's parent among the batch's real inputs, numbered in order (-1: none in the pass)
         first = torch.tensor([0] + lengths[:-1]).cumsum(0).unsqueeze(1)  # [B, 1]
-        par = _parents(self.trees, lengths, T)  # [B, T]
+        par = _parents(self.trees, valid)  # [B, T]
         self.parent = torch.where(par >= 0, par + first, -1).to(device)
         self.slots = torch.tensor(slots, device=device)
         self.slot_index = self.slots.unsqueeze(1)  # [B, 1], broadcasts against write_pos
@@ -215,27 +215,31 @@ class BatchIndex:
         return self._masks[window]
 
 
-def _parents(trees: list[list[int] | None] | None, lengths: list[int], T: int) -> Tensor:
+def node_depths(parents: list[int]) -> list[int]:
+    """Each node's depth in a tree given as parents (-1: a child of the root), parents first."""
+    d: list[int] = []
+    for p in parents:
+        d.append(0 if p < 0 else d[p] + 1)
+    return d
+
+
+def _parents(trees: list[list[int] | None] | None, valid: Tensor) -> Tensor:
     """[B, T] each input's parent among its sequence's inputs (-1: none; padding -1)."""
-    par = torch.arange(T).unsqueeze(0).repeat(len(lengths), 1) - 1
-    for b, n in enumerate(lengths):
-        if trees is not None and trees[b] is not None:
-            par[b, :n] = torch.tensor(trees[b])
-        par[b, n:] = -1
+    par = torch.where(valid, torch.arange(valid.shape[1]) - 1, -1)  # chains: the input before
+    for b, tree in enumerate(trees or []):
+        if tree is not None:
+            par[b, : len(tree)] = torch.tensor(tree)
     return par
 
 
-def _depths(trees: list[list[int] | None] | None, lengths: list[int], T: int) -> Tensor | None:
+def _depths(trees: list[list[int] | None] | None, T: int) -> Tensor | None:
     """[B, T] each input's depth in its tree (a chain's input j: j), or None without trees."""
     if trees is None:
         return None
-    depth = torch.arange(T).unsqueeze(0).repeat(len(lengths), 1)
+    depth = torch.arange(T).unsqueeze(0).repeat(len(trees), 1)
     for b, tree in enumerate(trees):
         if tree is not None:
-            d = []
-            for p in tree:
-                d.append(0 if p < 0 else d[p] + 1)
-            depth[b, : len(d)] = torch.tensor(d)
+            depth[b, : len(tree)] = torch.tensor(node_depths(tree))
     return depth
 
 
