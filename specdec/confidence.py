@@ -28,7 +28,7 @@ class Confidence:
         self.hits = {g: [0.0] * BINS for g in (True, False)}  # of those, accepted
 
     def acceptance(self, score: float, greedy: bool) -> float:
-        b = min(int(score * BINS), BINS - 1)
+        b = _bin(score)
         return (self.hits[greedy][b] + PRIOR_WEIGHT * score) / (self.drafts[greedy][b] + PRIOR_WEIGHT)
 
     def observe(self, proposals: list[Proposal], results: list[VerifyResult], greedy: list[bool]) -> None:
@@ -38,14 +38,17 @@ class Confidence:
             kept = set(r.path) if r.path is not None else set(range(r.num_accepted))
             n, h = self.drafts[g], self.hits[g]
             for j, score in enumerate(p.scores):
-                b = min(int(score * BINS), BINS - 1)
+                b = _bin(score)
                 n[b] = DECAY * n[b] + 1.0
                 h[b] = DECAY * h[b] + (j in kept)
 
     def state(self) -> dict:
-        return {("greedy" if g else "sampled"): [round((self.hits[g][b] + PRIOR_WEIGHT * (b + 0.5) / BINS) /
-                                                       (self.drafts[g][b] + PRIOR_WEIGHT), 3) for b in range(BINS)]
+        return {("greedy" if g else "sampled"): [round(self.acceptance((b + 0.5) / BINS, g), 3) for b in range(BINS)]
                 for g in (True, False)}
+
+
+def _bin(score: float) -> int:
+    return min(int(score * BINS), BINS - 1)
 
 
 def prune(proposals: list[Proposal], greedy: list[bool], conf: Confidence, pass_cost, tokens: int) -> list[Proposal]:

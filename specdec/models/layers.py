@@ -159,23 +159,23 @@ class BatchIndex:
                  trees: list[list[int] | None] | None = None):
         B, T = len(slots), max(lengths)
         self.start_pos, self.lengths = list(start_pos), list(lengths)
-        self.trees = trees if trees is not None and any(t is not None for t in trees) else None
+        trees = trees if trees is not None and any(t is not None for t in trees) else None
         rows = torch.arange(T).unsqueeze(0) + torch.tensor(start_pos).unsqueeze(1)  # [B, T]
-        depth = _depths(self.trees, T)  # [B, T]
+        depth = _depths(trees, T)  # [B, T]
         pos = rows if depth is None else depth + torch.tensor(start_pos).unsqueeze(1)
         valid = torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)  # [B, T]
         self.rope_pos = torch.where(valid, pos, 0).to(device)
         self.write_pos = torch.where(valid, rows, trash_pos).to(device)
         # each input's parent among the batch's real inputs, numbered in order (-1: none in the pass)
         first = torch.tensor([0] + lengths[:-1]).cumsum(0).unsqueeze(1)  # [B, 1]
-        par = _parents(self.trees, valid)  # [B, T]
+        par = _parents(trees, valid)  # [B, T]
         self.parent = torch.where(par >= 0, par + first, -1).to(device)
         self.slots = torch.tensor(slots, device=device)
         self.slot_index = self.slots.unsqueeze(1)  # [B, 1], broadcasts against write_pos
         self.ctx = max(s + n for s, n in zip(start_pos, lengths))
         s0 = slots[0]
         self.slot_range = (s0, s0 + B) if slots == list(range(s0, s0 + B)) else None
-        self._tree = (par, depth, valid) if self.trees is not None else None
+        self._tree = (par, depth, valid) if trees is not None else None
         self._masks: dict[int | None, Tensor | None] = {}  # by window, built on first use (token passes use none)
         self._key_pos: Tensor | None = None  # [B, ctx] each cached row's position (trees only)
         self.valid = valid.to(device)

@@ -46,10 +46,13 @@ def attend_tokens(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Ten
     heads, hd = q.shape[1:]
     out = torch.empty_like(q)
     rows = meta.tolist()
+    tree = any(r != p for _, p, r, _ in rows)  # else every position is its own row: slices, no walks
     for i, (s, p, _, _) in enumerate(rows):
         lo = max(0, p + 1 - window) if window > 0 else 0
-        first, path = path_rows(rows, i)
-        idx = torch.tensor([j if j < first else path[j - first] for j in range(lo, p + 1)], device=q.device)
+        idx = slice(lo, p + 1)
+        if tree:
+            first, path = path_rows(rows, i)
+            idx = torch.tensor([j if j < first else path[j - first] for j in range(lo, p + 1)], device=q.device)
         y = attention(q[i].view(1, heads, 1, hd), k_cache[s : s + 1, :, idx], v_cache[s : s + 1, :, idx],
                       None, scale, softcap or None)
         out[i] = y.view(heads, hd)
