@@ -71,10 +71,21 @@ def is_head_dir(spec: str) -> bool:
     return (Path(spec).expanduser() / WEIGHTS).exists()
 
 
+def head_feature_layers(spec: str) -> tuple[int, ...]:
+    """The verifier layers the draft `spec` reads besides the last (a fused-feature head's)."""
+    from specdec.models.draft_head import DraftHead
+    from specdec.proposers.feature_head import shipped_head_dir
+
+    if spec == "default" or is_head_dir(spec):
+        return DraftHead.feature_layers_of(shipped_head_dir() if spec == "default" else spec)
+    return ()
+
+
 def build_verifier(cfg: EngineConfig) -> Verifier:
     from specdec.models.loader import load_model
 
     model = load_model(cfg.verifier, cfg.device, cfg.dtype, cfg.progress, cfg.enforce_eager)
+    model.feature_layers = head_feature_layers(cfg.draft)  # before the first pass is compiled
     runner = ModelRunner(model, cfg.max_seqs, cfg.max_model_len, prefix_caching=cfg.prefix_caching)
     runner.warm_up()
     return Verifier(runner)

@@ -17,7 +17,7 @@ class ProposeRequest:
     tokens: list[int]  # prompt + output so far, authoritative
     num_speculative_tokens: int  # K for this round (0 = propose nothing)
     params: SamplingParams  # the request's sampling settings (q uses the same transform as p)
-    feature: Tensor | None = None  # [dim] verifier hidden state that predicted tokens[-1] (EAGLE-style heads)
+    feature: Tensor | None = None  # [dim] verifier hidden state that predicted tokens[-1] (EAGLE-style heads; led by its feature layers' when the head reads them)
 
 
 @dataclass
@@ -62,7 +62,7 @@ class VerifyResult:
     token_ids: list[int]  # accepted drafts, one recovered or bonus token, then any further plain steps
     num_accepted: int  # drafts accepted (len(token_ids) - 1)
     num_drafted: int  # K of this round
-    feature: Tensor | None = None  # [dim] verifier hidden state that predicted the last emitted token
+    feature: Tensor | None = None  # [dim] verifier hidden state that predicted the last emitted token (as ProposeRequest.feature)
     num_passes: int = 1  # verifier forward passes that produced token_ids (at most num_steps of the request)
     logprobs: list[TokenLogprob] | None = None  # [len(token_ids)] when the request's params ask for them
     passes_s: list[float] | None = None  # seconds of each of the call's passes (its first: the verify pass)

@@ -62,8 +62,11 @@ class RecordingRunner(ModelRunner):
 
 
 def generation_docs(model, hf_tok, prompts: list[dict], max_tokens: int, batch: int, minutes: float,
-                    max_len: int, progress: bool = True) -> list[dict]:
-    """Greedy chat answers by the verifier through SpecEngine; every fed position recorded."""
+                    max_len: int, progress: bool = True, temperatures: tuple[float, ...] = (0.0,)) -> list[dict]:
+    """Chat answers by the verifier through SpecEngine, one per prompt and temperature (0: greedy;
+    a sampled answer's labels are still the verifier's argmax, filled in later); every fed
+    position recorded. Sampled answers take the head where greedy ones never go, as a user's
+    sampled request does."""
     from tqdm import tqdm
 
     from specdec.config import EngineConfig
@@ -77,11 +80,13 @@ def generation_docs(model, hf_tok, prompts: list[dict], max_tokens: int, batch: 
                        progress=False)
     eng = SpecEngine(Verifier(runner), None, TextTokenizer(hf_tok), cfg)
     seqs = []
-    for p in prompts:
-        try:
-            seqs.append((p, eng.add_request(p["messages"], SamplingParams(max_tokens=max_tokens), 0)))
-        except ValueError:  # prompt longer than the context
-            continue
+    for temp in temperatures:
+        for i, p in enumerate(prompts):
+            params = SamplingParams(max_tokens=max_tokens, temperature=temp, top_p=0.95, seed=round(temp * 1e6) + i)
+            try:
+                seqs.append((p, eng.add_request(p["messages"], params, 0)))
+            except ValueError:  # prompt longer than the context
+                continue
     deadline = time.time() + minutes * 60
     bar = tqdm(total=len(seqs) * max_tokens, desc="generate", unit="tok", disable=not progress, mininterval=5)
     done = 0
@@ -101,7 +106,8 @@ def generation_docs(model, hf_tok, prompts: list[dict], max_tokens: int, batch: 
         if toks != s.tokens[: len(toks)]:
             raise RuntimeError(f"recorded tokens of {s.seq_id} diverge from the sequence (eviction?)")
         n_prompt = len(s.prompt_ids)
-        labels = [s.tokens[i + 1] if i >= n_prompt - 1 and i + 1 < len(s.tokens) else -1 for i in range(len(toks))]
+        labels = [s.tokens[i + 1] if s.params.greedy and i >= n_prompt - 1 and i + 1 < len(s.tokens) else -1
+                  for i in range(len(toks))]
         docs.append({"tokens": toks, "feats": feats, "labels": torch.tensor(labels), "kind": "gen",
                      "category": p.get("category", ""), "n_prompt": n_prompt, "n_output": len(s.output_ids)})
     del eng, runner
@@ -217,7 +223,8 @@ def make_data(args, model, hf_tok) -> dict:
     t0 = time.time()
     prompts = training_prompts(args.gen_prompts, seed=args.seed, docstrings=not args.tiny)
     docs = generation_docs(model, hf_tok, prompts, args.gen_max_tokens, args.gen_batch, args.gen_minutes,
-                           args.max_len, not args.quiet) if args.gen_prompts > 0 else []
+                           args.max_len, not args.quiet, (0.0,) + (args.gen_temperature,) * args.gen_sampled) \
+        if args.gen_prompts > 0 else []
     t_gen = time.time() - t0
     t1 = time.time()
     if args.prefill_tokens > 0:
@@ -229,7 +236,7 @@ def make_data(args, model, hf_tok) -> dict:
     fill_labels(model, docs)
     gen = [d for d in docs if d["kind"] == "gen"]
     meta = {
-        "verifier": args.verifier,
+        "verifier": args.verifier, "feature_layers": list(args.feature_layers),
         "gen_docs": len(gen), "gen_output_tokens": sum(d["n_output"] for d in gen),
         "gen_prompt_tokens": sum(d["n_prompt"] for d in gen),
         "prefill_docs": len(docs) - len(gen),
@@ -295,7 +302,10 @@ def unrolled_loss(head, data: dict, idx: Tensor, label_map: Tensor, args, train:
     """Loss and per-step accuracy over start positions idx, unrolled args.unroll steps."""
     feats, tokens, labels = data["feats"], data["tokens"], data["labels"]
     dev = head.embed_weight.device  # the data stays where it was collected; each batch moves to the head
-    f = feats[idx].to(dev).float()
+    dim = head.cfg.dim
+    f = feats[idx].to(dev).float()  # the verifier's fused features when the head reads several layers
+    if head.fuse is None:
+        f = f[..., -dim:]
     total, accs = 0.0, []
     w = 1.0
     wsum = 0.0
@@ -303,7 +313,7 @@ def unrolled_loss(head, data: dict, idx: Tensor, label_map: Tensor, args, train:
         pos = idx + j
         f = head(f, tokens[pos].to(dev))
         logits = head.draft_logits(f)
-        true_f = feats[pos].to(dev).float()
+        true_f = feats[pos, -dim:].to(dev).float()  # the last layer's: what the LM head reads
         with torch.no_grad():
             teacher = F.softmax(head.draft_logits(true_f), dim=-1)
         lab = label_map[labels[pos]].to(dev)  # draft-vocab index, -1 outside
@@ -335,7 +345,7 @@ def evaluate(head, data, idx: Tensor, label_map, args, rows: int = 1024) -> tupl
     return loss / n, [round(a / n, 4) for a in accs]
 
 
-INFO_ARGS = ("gen_prompts", "gen_max_tokens", "prefill_tokens", "data_dtype", "draft_vocab", "hidden", "blocks", "steps",
+INFO_ARGS = ("gen_prompts", "gen_max_tokens", "gen_sampled", "gen_temperature", "prefill_tokens", "data_dtype", "draft_vocab", "hidden", "blocks", "steps",
              "train_minutes", "batch_size", "unroll", "lr", "ce_weight", "kd_weight", "reg_weight", "seed")
 
 
@@ -350,7 +360,7 @@ def train(args, model, data: dict, hf_tok=None):
     vocab_ids = choose_vocab(data["labels"], args.draft_vocab, a.vocab_size, forced)
     cover = float(torch.isin(data["labels"], vocab_ids).float().mean())
     cfg = DraftHeadConfig(dim=a.dim, hidden_size=args.hidden, n_blocks=args.blocks, draft_vocab_size=len(vocab_ids),
-                          vocab_size=a.vocab_size, verifier=args.verifier)
+                          vocab_size=a.vocab_size, verifier=args.verifier, feature_layers=list(args.feature_layers))
     head = DraftHead(cfg, vocab_ids).attach(model).float()
     head.train()
     label_map = torch.full((a.vocab_size,), -1, dtype=torch.long)
@@ -422,6 +432,8 @@ def parse_args(argv):
     g = p.add_argument_group("data")
     g.add_argument("--gen-prompts", type=int, default=2000, help="training prompts answered by the verifier (at most the ~1960 built in)")
     g.add_argument("--gen-max-tokens", type=int, default=256, help="new tokens per answer at most")
+    g.add_argument("--gen-sampled", type=int, default=1, help="sampled answers per prompt besides the greedy one")
+    g.add_argument("--gen-temperature", type=float, default=0.8, help="temperature of the sampled answers (top-p 0.95)")
     g.add_argument("--gen-batch", type=int, default=64, help="sequences per verifier pass while generating")
     g.add_argument("--gen-minutes", type=float, default=22.0, help="stop generating after this long")
     g.add_argument("--prefill-tokens", type=int, default=400_000, help="documentation tokens to label by prefill")
@@ -434,6 +446,8 @@ def parse_args(argv):
     g.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size")
     g.add_argument("--hidden", type=int, default=1536, help="SwiGLU width of each block")
     g.add_argument("--blocks", type=int, default=2, help="residual blocks")
+    g.add_argument("--feature-layers", default="auto", help="verifier layers (0-based, comma separated) whose outputs the "
+                   "first step reads besides the last layer's: 'auto' a low and a middle one (EAGLE-3), 'none' the last only")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=100_000, help="optimizer steps at most")
     g.add_argument("--train-minutes", type=float, default=35.0, help="stop (cosine schedule ends) after this long; 0 = no limit")
@@ -466,6 +480,16 @@ def parse_args(argv):
     return args
 
 
+def feature_layers(spec: str | tuple, n_layers: int) -> tuple[int, ...]:
+    """--feature-layers as layer indices: 'auto' is the outputs of layers 2 and n/2 (the inputs
+    of the third and the middle one, as EAGLE-3 reads them), 'none' no layer."""
+    if isinstance(spec, tuple) or spec == "none":
+        return spec if isinstance(spec, tuple) else ()
+    if spec == "auto":
+        return tuple(sorted({min(1, n_layers - 2), max(0, n_layers // 2 - 1)})) if n_layers >= 2 else ()
+    return tuple(int(x) for x in spec.split(","))
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(max(1, args.threads))
@@ -479,6 +503,8 @@ def main(argv=None) -> int:
     hf_tok = load_tokenizer(args.verifier, progress=not args.quiet)
     if args.stage in ("all", "data"):
         served = load_model(args.verifier, dtype=args.data_dtype, progress=not args.quiet).requires_grad_(False)
+        args.feature_layers = feature_layers(args.feature_layers, served.args.n_layers)
+        served.feature_layers = args.feature_layers  # recorded with the last layer's feature
         data = make_data(args, served, hf_tok)
         del served
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -491,6 +517,10 @@ def main(argv=None) -> int:
         print(f"data: {json.dumps(data['meta'])}", flush=True)
     # training differentiates through the verifier's frozen embedding, norm and LM head: in float32
     model = load_model(args.verifier, progress=not args.quiet).requires_grad_(False)
+    args.feature_layers = feature_layers(args.feature_layers, model.args.n_layers)
+    recorded = tuple(data["meta"].get("feature_layers", ()))
+    if args.feature_layers and args.feature_layers != recorded:
+        raise SystemExit(f"the head would read layers {args.feature_layers}; the data has {recorded} (make it again)")
     t0 = time.time()
     train(args, model, data, hf_tok)
     print(f"trained in {time.time() - t0:.0f} s -> {args.out}", flush=True)

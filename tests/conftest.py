@@ -74,13 +74,15 @@ def ragged_prompts(n=8, seed=0, vocab=256):
 
 
 def tiny_head_dir(out):
-    """A random draft head for the tiny verifier, saved where a Drafter can load it."""
+    """A random draft head for the tiny verifier, saved where a Drafter can load it; it reads the
+    verifier's first layer too (fused features), so the Verifier must return that layer's rows."""
     from specdec.models.draft_head import DraftHead, DraftHeadConfig
     from specdec.models.tiny import build_from_spec
 
     target = build_from_spec("tiny")
     torch.manual_seed(0)
     a = target.args
-    cfg = DraftHeadConfig(dim=a.dim, hidden_size=64, n_blocks=1, draft_vocab_size=128, vocab_size=a.vocab_size)
+    cfg = DraftHeadConfig(dim=a.dim, hidden_size=64, n_blocks=1, draft_vocab_size=128, vocab_size=a.vocab_size,
+                          feature_layers=[0])
     DraftHead(cfg, torch.arange(128)).attach(target).save(out)
     return out

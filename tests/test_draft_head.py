@@ -1,4 +1,5 @@
 """EAGLE-style draft head: tiny training run end to end, lossless greedy, proper q when sampling."""
+import pytest
 import torch
 
 from conftest import make_engine, ragged_prompts
@@ -7,10 +8,11 @@ from specdec.proposers.feature_head import FeatureHeadProposer
 from specdec.sampling import SamplingParams
 
 
-def _random_head(target, vocab=200, seed=0):
+def _random_head(target, vocab=200, seed=0, feature_layers=()):
     torch.manual_seed(seed)
     a = target.args
-    cfg = DraftHeadConfig(dim=a.dim, hidden_size=64, n_blocks=1, draft_vocab_size=vocab, vocab_size=a.vocab_size)
+    cfg = DraftHeadConfig(dim=a.dim, hidden_size=64, n_blocks=1, draft_vocab_size=vocab, vocab_size=a.vocab_size,
+                          feature_layers=list(feature_layers))
     ids = torch.randperm(a.vocab_size)[:vocab].sort().values
     return DraftHead(cfg, ids).attach(target).eval()
 
@@ -23,6 +25,9 @@ def test_tiny_training_end_to_end(tmp_path, tiny_target):
     assert (out / "config.json").exists() and (out / "draft_head.safetensors").exists()
     head = DraftHead.load(out, tiny_target)
     assert head.cfg.train_info["steps"] > 0
+    assert head.cfg.feature_layers == [0] and head.fuse is not None  # 'auto': the tiny verifier's first layer
+    data = torch.load(tmp_path / "data" / "data.pt", weights_only=False)
+    assert data["feats"].shape[1] == 2 * tiny_target.args.dim  # layer 0's output, then the last layer's
     # the frozen parts come from the verifier, the trained part from the file
     assert head.embed_weight.data_ptr() == tiny_target.embed.weight.data_ptr()
     assert torch.equal(head.head_weight, tiny_target.lm_head.weight[head.vocab_ids])
@@ -32,6 +37,12 @@ def test_tiny_training_end_to_end(tmp_path, tiny_target):
     # the proposer loads the same files
     prop = FeatureHeadProposer.from_pretrained(out, tiny_target)
     assert prop.name == "eagle"
+    # the same data trains a head on the last layer alone
+    last = tmp_path / "last"
+    assert main(["--tiny", "--stage", "train", "--feature-layers", "none", "--out", str(last),
+                 "--data-dir", str(tmp_path / "data"), "--quiet"]) == 0
+    assert DraftHead.load(last, tiny_target).fuse is None
+    tiny_target.feature_layers = ()  # as the fixture was
 
 
 def test_save_load_roundtrip(tmp_path, tiny_target):
@@ -61,14 +72,51 @@ def test_feature_is_what_predicted_the_last_token(tiny_target, tiny_tok):
     assert int(tiny_target.logits(hidden[0, -1]).argmax()) == toks[-1]
 
 
-def test_greedy_is_lossless(tiny_target, tiny_tok):
+@pytest.mark.parametrize("feature_layers", [(), (0,)])
+def test_greedy_is_lossless(tiny_target, tiny_tok, feature_layers):
     prompts = ragged_prompts(6)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     plain = make_engine(tiny_target, k=0, tok=tiny_tok).generate(prompts, params, num_speculative_tokens=0)
-    eng = make_engine(tiny_target, k=4, tok=tiny_tok, proposer=FeatureHeadProposer(_random_head(tiny_target)))
+    head = _random_head(tiny_target, feature_layers=feature_layers)
+    eng = make_engine(tiny_target, k=4, tok=tiny_tok, proposer=FeatureHeadProposer(head))
+    seq = eng.add_request(prompts[0], params)
+    eng.step()
+    eng.step()
+    assert seq.feature.shape == ((len(feature_layers) + 1) * tiny_target.args.dim,)  # the layers the head reads
     spec = eng.generate(prompts, params)
+    tiny_target.feature_layers = ()  # as the fixture was
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     assert sum(c.metrics.num_drafted for c in spec) > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int4"])
+def test_feature_layers_lead_the_hidden_rows_and_change_nothing_else(dtype):
+    """A head reading layer 0 too gets [layer 0 ; last layer] per row; the last layer's part and
+    the logits are bitwise what the verifier computes without it (in int4, compiled, as served)."""
+    from specdec.models import quant
+    from specdec.models.runner import ModelRunner
+    from specdec.models.tiny import build_tiny, tiny_args
+
+    model = build_tiny(tiny_args(vocab_size=320), seed=0)
+    if dtype == "int4":
+        model = model.to(quant.ACT_DTYPE)
+        quant.quantize_model(model)
+    prompts = ragged_prompts(3)
+
+    def hidden(layers):
+        model.feature_layers = layers
+        runner = ModelRunner(model, 4, 256)
+        ids = [f"s{i}" for i in range(len(prompts))]
+        runner.sync(ids, prompts, [0] * len(ids))
+        h, valid = runner.forward(ids, prompts)
+        return h[valid]
+
+    plain, fused = hidden(()), hidden((0,))
+    d = model.args.dim
+    assert fused.shape == (plain.shape[0], 2 * d)
+    assert torch.equal(fused[:, d:], plain)
+    assert torch.equal(model.logits(fused), model.logits(plain))
+    assert not torch.equal(fused[:, :d], plain)  # layer 0's own output
 
 
 def test_sampled_probs_are_distributions(tiny_target, tiny_tok):

@@ -43,6 +43,7 @@ class Decoder(nn.Module):
         self._rope_kinds = sorted({a.rope_kind(i) for i in range(a.n_layers)})
         self.logits_size = a.vocab_size  # see pad_vocab
         self.token_pass = None  # set by use_token_pass: batch-invariant passes (reduced precision)
+        self.feature_layers: tuple[int, ...] = ()  # layers whose outputs lead each hidden row (see forward)
 
     @classmethod
     def hf_args(cls, cfg) -> ModelArgs:
@@ -69,7 +70,9 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: Tensor, batch: BatchIndex, caches: list[tuple[Tensor, Tensor]]) -> Tensor:
         """tokens: [B, T] padded; returns the last layer's hidden states [B, T, dim], before the
-        final norm (EAGLE-style draft heads read these features). No LM head here: the caller
+        final norm (EAGLE-style draft heads read these features), after the outputs of the
+        `feature_layers` when a head reads those too ([B, T, (len + 1) * dim]: low and mid layers
+        say what the last one has already turned into a prediction). No LM head here: the caller
         picks the rows it needs first, because the LM head is the most expensive matmul."""
         if self.token_pass is not None:
             return self._forward_tokens(tokens, batch, caches)
@@ -80,11 +83,14 @@ class Decoder(nn.Module):
         for kind in self._rope_kinds:
             cos_t, sin_t = self.rope_tables(kind, batch.ctx, x.device, x.dtype)
             rope[kind] = (cos_t[batch.rope_pos].unsqueeze(2), sin_t[batch.rope_pos].unsqueeze(2))  # [B, T, 1, hd]
+        kept = []
         with sdpa_kernel(_NOT_CUDNN) if x.is_cuda else contextlib.nullcontext():
-            for layer, (kc, vc) in zip(self.layers, caches):
+            for i, (layer, (kc, vc)) in enumerate(zip(self.layers, caches)):
                 cos, sin = rope[layer.rope_kind]
                 x = layer(x, cos, sin, LayerKV(kc, vc, batch), batch.mask_for(layer.window), rows)
-        return _padded(x, rows, B, T)
+                if i in self.feature_layers:
+                    kept.append(x)
+        return _padded(torch.cat([*kept, x], -1) if kept else x, rows, B, T)
 
     def use_token_pass(self, compiled: bool) -> None:
         """Run every pass over the batch's real tokens only, row by row (models.token_pass):
@@ -110,19 +116,24 @@ class Decoder(nn.Module):
                       caches: list[tuple[Tensor, Tensor]]) -> Tensor:
         """The pass over N real tokens [N] of a ragged batch: meta [N, 4] is each one's (slot,
         position, row, parent) (token_pass.TokenKV), rope[kind] its (cos, sin) [N, hd]. Returns
-        pre-norm hidden states [N, dim]."""
+        pre-norm hidden states [N, dim] (after the feature layers' outputs, as `forward`)."""
         from specdec.models.token_pass import TokenKV
 
         x = self.embed_tokens(tokens)
         rope = {kind: (cos.unsqueeze(1), sin.unsqueeze(1)) for kind, (cos, sin) in rope.items()}  # [N, 1, hd]
-        op = self.token_pass.attention
-        for layer, (kc, vc) in zip(self.layers, caches):
+        op, kept = self.token_pass.attention, []
+        for i, (layer, (kc, vc)) in enumerate(zip(self.layers, caches)):
             cos, sin = rope[layer.rope_kind]
             x = layer(x, cos, sin, TokenKV(kc, vc, meta, op), None)
-        return x
+            if i in self.feature_layers:
+                kept.append(x)
+        return torch.cat([*kept, x], -1) if kept else x
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """Final norm and LM head over pre-norm hidden states [..., dim] -> [..., V] fp32."""
+        """Final norm and LM head over pre-norm hidden states [..., dim] -> [..., V] fp32 (the
+        last layer's part of a row that carries feature layers too)."""
+        if hidden.shape[-1] != self.args.dim:
+            hidden = hidden[..., -self.args.dim :].contiguous()
         y = self.lm_head(self.norm(hidden)).float()
         cap = self.args.final_softcap
         if cap is not None:

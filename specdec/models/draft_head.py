@@ -6,6 +6,8 @@ the verifier's own frozen final norm + LM head applied to f^_{t+1}, restricted t
 vocabulary (the tokens the verifier emits most often). Chaining (f^_{t+1}, x_{t+2}) -> f^_{t+2}
 drafts K tokens without a KV cache: the head is stateless, all context is in f_t.
 
+    f  = W_fuse [rmsnorm(f_low) ; rmsnorm(f_mid) ; rmsnorm(f_t)]   (first step, when the head reads
+                                                    feature layers: EAGLE-3's fused features)
     h  = W_in [rmsnorm(f) ; rmsnorm(embed(x))] + b      (2*dim -> dim)
     h += W2 silu(W1 rmsnorm(h)) * (W3 rmsnorm(h))       (n_blocks residual SwiGLU blocks)
     f^ = h;  logits = head_rows @ rmsnorm_verifier(f^)  ([draft_vocab_size])
@@ -16,7 +18,7 @@ LM-head rows are taken from the verifier's `Transformer` at load time (frozen bu
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -37,6 +39,7 @@ class DraftHeadConfig:
     draft_vocab_size: int = 8192  # tokens the head can propose (the verifier's most frequent outputs)
     vocab_size: int = 49152  # the verifier's full vocabulary (q is scattered into it)
     norm_eps: float = 1e-5  # RMSNorm epsilon of the head's own norms
+    feature_layers: list[int] = field(default_factory=list)  # verifier layers whose outputs the first step also reads
     verifier: str = ""  # what the head was trained against (informational)
     train_info: dict | None = None  # data / training summary written by train_draft (informational)
 
@@ -58,6 +61,20 @@ class SwiGLUBlock(nn.Module):
         return x + self.w2(F.silu(gate) * up)
 
 
+class FeatureFuse(nn.Module):
+    """The verifier's feature layers and last layer, each normed (their scales differ by layer),
+    projected to one feature: what the head's first step starts from."""
+
+    def __init__(self, parts: int, dim: int, eps: float):
+        super().__init__()
+        self.norms = nn.ModuleList(RMSNorm(dim, eps) for _ in range(parts))
+        self.proj = nn.Linear(parts * dim, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        parts = x.chunk(len(self.norms), dim=-1)
+        return self.proj(torch.cat([n(p) for n, p in zip(self.norms, parts)], dim=-1))
+
+
 class DraftHead(nn.Module):
     def __init__(self, cfg: DraftHeadConfig, vocab_ids: Tensor | None = None):
         super().__init__()
@@ -66,6 +83,7 @@ class DraftHead(nn.Module):
         self.feat_norm = RMSNorm(d, cfg.norm_eps)
         self.tok_norm = RMSNorm(d, cfg.norm_eps)
         self.fc = nn.Linear(2 * d, d, bias=True)
+        self.fuse = FeatureFuse(len(cfg.feature_layers) + 1, d, cfg.norm_eps) if cfg.feature_layers else None
         self.blocks = nn.ModuleList(SwiGLUBlock(d, cfg.hidden_size, cfg.norm_eps) for _ in range(cfg.n_blocks))
         if vocab_ids is None:
             vocab_ids = torch.arange(cfg.draft_vocab_size)
@@ -87,6 +105,9 @@ class DraftHead(nn.Module):
         if a.dim != self.cfg.dim or a.vocab_size != self.cfg.vocab_size:
             raise ValueError(f"draft head was built for dim={self.cfg.dim}, vocab={self.cfg.vocab_size}; "
                              f"the verifier has dim={a.dim}, vocab={a.vocab_size}")
+        if any(not 0 <= i < a.n_layers - 1 for i in self.cfg.feature_layers):
+            raise ValueError(f"draft head reads layers {self.cfg.feature_layers}; the verifier has {a.n_layers}")
+        verifier.feature_layers = tuple(self.cfg.feature_layers)  # its passes now return them too
         w = verifier.embed.weight
         self.to(device=w.device, dtype=w.dtype)
         self.vocab_ids = self.vocab_ids.to(w.device)
@@ -113,14 +134,19 @@ class DraftHead(nn.Module):
             return out
 
         self.fc = q8(self.fc)
+        if self.fuse is not None:
+            self.fuse.proj = q8(self.fuse.proj)
         for blk in self.blocks:
             blk.w13, blk.w2 = q8(blk.w13), q8(blk.w2)
         self.head_q8 = q8(None, self.head_weight)
 
     # -- compute -------------------------------------------------------------------------------
     def forward(self, feature: Tensor, token: Tensor) -> Tensor:
-        """feature [..., dim] (pre-norm verifier feature or a previous prediction), token [...]
-        -> predicted next feature [..., dim]."""
+        """feature [..., dim] (pre-norm verifier feature or a previous prediction; the verifier's
+        fused features [..., parts * dim] at a first step), token [...] -> predicted next feature
+        [..., dim]."""
+        if feature.shape[-1] != self.cfg.dim:  # the last layer's part is the feature a head without fuse reads
+            feature = self.fuse(feature) if self.fuse is not None else feature[..., -self.cfg.dim :]
         e = F.embedding(token, self.embed_weight)
         h = self.fc(torch.cat([self.feat_norm(feature), self.tok_norm(e)], dim=-1))
         for blk in self.blocks:
@@ -146,6 +172,11 @@ class DraftHead(nn.Module):
         save_file(sd, str(out / WEIGHTS))
         (out / CONFIG).write_text(json.dumps(asdict(self.cfg), indent=2) + "\n")
         return out
+
+    @staticmethod
+    def feature_layers_of(head_dir: str | Path) -> tuple[int, ...]:
+        """The verifier layers a saved head reads (a Verifier replica sets them without the head)."""
+        return tuple(json.loads((Path(head_dir) / CONFIG).read_text()).get("feature_layers", []))
 
     @classmethod
     def load(cls, head_dir: str | Path, verifier: Transformer) -> "DraftHead":
