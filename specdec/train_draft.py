@@ -2,23 +2,24 @@
 
 Two stages (`--stage all` runs both):
 
-data   Run the verifier and record, at every position, its pre-norm last-layer feature f_i, the
-       input token x_i and its greedy next token y_i:
-       - generation: greedy chat answers to built-in training prompts (`specdec.data.prompts`),
-         produced by our own engine (`SpecEngine`, no draft, many prompts batched at once); the
-         prompt positions come for free from the same pass;
+data   Run the verifier and record, at every position, its pre-norm last-layer feature f_i (after
+       the outputs of --feature-layers, which a fused-feature head also reads), the input token
+       x_i and its greedy next token y_i:
+       - generation: a greedy and --gen-sampled sampled chat answers to each built-in training
+         prompt (`specdec.data.prompts`), produced by our own engine (`SpecEngine`, no draft, many
+         prompts batched at once); the prompt positions come for free from the same pass;
        - prefill: documentation text already on this machine (package READMEs and docs in
          site-packages, stdlib docstrings), wrapped as an assistant turn; one prefill pass labels
          every position, ~10x cheaper per token than generating.
        Saved as one torch file (`data.pt`) in --data-dir.
-train  Fit the head: from (f_i, x_{i+1}) predict f_{i+1}; loss per step = CE of the draft logits vs
+train  Fit the head: from (f_i, x_{i+1}) predict f_{i+1} (the first step from the fused features); loss per step = CE of the draft logits vs
        the verifier's greedy label + soft CE vs the verifier's distribution over the draft vocab
        (computed from the stored true f_{i+1}) + smooth-L1 between normed predicted and true
        features. Unrolled --unroll steps, feeding the head its own predicted features (HASS style),
        with the true next tokens. Validation accuracy per step on held-out documents is the
        greedy-acceptance estimate per draft position.
 
-    specdec train-draft                    # the shipped head's recipe (~60 min on 2 CPU threads)
+    specdec train-draft                    # the shipped head's recipe (~80 min on 2 CPU threads)
     specdec train-draft --tiny --out DIR   # seconds, tiny random models (tests)
 """
 from __future__ import annotations
@@ -435,7 +436,7 @@ def parse_args(argv):
     g.add_argument("--gen-sampled", type=int, default=1, help="sampled answers per prompt besides the greedy one")
     g.add_argument("--gen-temperature", type=float, default=0.8, help="temperature of the sampled answers (top-p 0.95)")
     g.add_argument("--gen-batch", type=int, default=64, help="sequences per verifier pass while generating")
-    g.add_argument("--gen-minutes", type=float, default=22.0, help="stop generating after this long")
+    g.add_argument("--gen-minutes", type=float, default=40.0, help="stop generating after this long")
     g.add_argument("--prefill-tokens", type=int, default=400_000, help="documentation tokens to label by prefill")
     g.add_argument("--prefill-minutes", type=float, default=6.0, help="stop prefilling after this long")
     g.add_argument("--prefill-doc-tokens", type=int, default=768, help="tokens per prefilled document at most")

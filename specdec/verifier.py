@@ -95,10 +95,11 @@ class Verifier:
             if t is not None:  # the accepted path's K/V to the rows of its positions
                 self.runner.keep_path(r.seq_id, len(r.tokens) - 1, [0] + [c + 1 for c in path])
         # the row that produced a request's last token seeds its next draft (gathered and copied
-        # to the host at once: a copy per request waits on the device each time)
+        # to the host at once: a copy per request waits on the device each time; in the model's
+        # dtype, which loses nothing and halves what a remote Drafter is sent in bfloat16)
         starts = list(itertools.accumulate((k + 1 for k in ks), initial=0))  # each block's first row
         rows = [[r0] + [r0 + c + 1 for c in path] for r0, path in zip(starts, paths)]  # row j produced token j
-        feats = hidden[[r[-1] for r in rows]].float().cpu()  # [B, dim]
+        feats = hidden[[r[-1] for r in rows]].cpu()  # [B, dim]
         results = []
         for b, k in enumerate(ks):
             tree = requests[b].draft_parents is not None
@@ -179,7 +180,7 @@ class Verifier:
             logits = self.runner.model.logits(hidden)  # [B', V]
             out = self._sample([requests[b] for b in idx], [0] * len(idx), logits, step,
                                [len(requests[b].tokens) + len(results[b].token_ids) for b in idx])
-            feats = hidden.float().cpu()  # [B', dim]
+            feats = hidden.cpu()  # [B', dim]
             for j, b in enumerate(idx):  # out: [B', 1]
                 results[b].token_ids.append(int(out[j, 0]))
                 results[b].num_passes += 1
