@@ -53,6 +53,8 @@ def test_save_load_roundtrip(tmp_path, tiny_target):
     dev = tiny_target.embed.weight.device
     f, x = torch.randn(4, tiny_target.args.dim, device=dev), torch.tensor([5, 6, 7, 8], device=dev)
     torch.testing.assert_close(back(f, x), head(f, x), atol=2e-2, rtol=2e-2)  # fp16 storage
+    # a head on the last layer alone reads the last part of a verifier row that carries more layers
+    assert torch.equal(head(torch.cat([torch.randn_like(f), f], -1), x), head(f, x))
 
 
 def test_feature_is_what_predicted_the_last_token(tiny_target, tiny_tok):
