@@ -48,13 +48,13 @@ def build_proposer(spec: str, cfg: EngineConfig, verifier_model=None) -> Propose
         return NgramProposer(max_n=cfg.ngram_max)
     from specdec.models.loader import load_model
 
-    if spec == "default" or is_head_dir(spec):
+    head = head_dir(spec)
+    if head is not None:
         from specdec.proposers.feature_head import FeatureHeadProposer
 
         # the head reuses the verifier's embedding, final norm and LM head rows
         verifier_model = verifier_model or load_model(cfg.verifier, cfg.device, cfg.dtype, cfg.progress, cfg.enforce_eager)
-        return FeatureHeadProposer.from_pretrained(None if spec == "default" else spec, verifier_model,
-                                                   cfg.draft_tree_width)
+        return FeatureHeadProposer.from_pretrained(head, verifier_model, cfg.draft_tree_width)
     from specdec.models.pairing import check_pair
 
     vocab = check_pair(spec, cfg.verifier, cfg.progress)  # the verifier's tokenizer, or a clear error
@@ -71,14 +71,24 @@ def is_head_dir(spec: str) -> bool:
     return (Path(spec).expanduser() / WEIGHTS).exists()
 
 
+def head_dir(spec: str):
+    """Where the draft head named by `spec` lives ('default': the shipped one), or None when
+    `spec` is not a draft head."""
+    from pathlib import Path
+
+    from specdec.proposers.feature_head import shipped_head_dir
+
+    if spec == "default":
+        return shipped_head_dir()
+    return Path(spec).expanduser() if is_head_dir(spec) else None
+
+
 def head_feature_layers(spec: str) -> tuple[int, ...]:
     """The verifier layers the draft `spec` reads besides the last (a fused-feature head's)."""
     from specdec.models.draft_head import DraftHead
-    from specdec.proposers.feature_head import shipped_head_dir
 
-    if spec == "default" or is_head_dir(spec):
-        return DraftHead.feature_layers_of(shipped_head_dir() if spec == "default" else spec)
-    return ()
+    head = head_dir(spec)
+    return DraftHead.feature_layers_of(head) if head is not None else ()
 
 
 def build_verifier(cfg: EngineConfig) -> Verifier:

@@ -481,11 +481,11 @@ def parse_args(argv):
     return args
 
 
-def feature_layers(spec: str | tuple, n_layers: int) -> tuple[int, ...]:
+def feature_layers(spec: str, n_layers: int) -> tuple[int, ...]:
     """--feature-layers as layer indices: 'auto' is the outputs of layers 2 and n/2 (the inputs
     of the third and the middle one, as EAGLE-3 reads them), 'none' no layer."""
-    if isinstance(spec, tuple) or spec == "none":
-        return spec if isinstance(spec, tuple) else ()
+    if spec == "none":
+        return ()
     if spec == "auto":
         return tuple(sorted({min(1, n_layers - 2), max(0, n_layers // 2 - 1)})) if n_layers >= 2 else ()
     return tuple(int(x) for x in spec.split(","))
@@ -518,7 +518,8 @@ def main(argv=None) -> int:
         print(f"data: {json.dumps(data['meta'])}", flush=True)
     # training differentiates through the verifier's frozen embedding, norm and LM head: in float32
     model = load_model(args.verifier, progress=not args.quiet).requires_grad_(False)
-    args.feature_layers = feature_layers(args.feature_layers, model.args.n_layers)
+    if isinstance(args.feature_layers, str):  # not resolved by a data stage in this run
+        args.feature_layers = feature_layers(args.feature_layers, model.args.n_layers)
     recorded = tuple(data["meta"].get("feature_layers", ()))
     if args.feature_layers and args.feature_layers != recorded:
         raise SystemExit(f"the head would read layers {args.feature_layers}; the data has {recorded} (make it again)")

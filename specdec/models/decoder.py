@@ -90,7 +90,7 @@ class Decoder(nn.Module):
                 x = layer(x, cos, sin, LayerKV(kc, vc, batch), batch.mask_for(layer.window), rows)
                 if i in self.feature_layers:
                     kept.append(x)
-        return _padded(torch.cat([*kept, x], -1) if kept else x, rows, B, T)
+        return _padded(_led_by(kept, x), rows, B, T)
 
     def use_token_pass(self, compiled: bool) -> None:
         """Run every pass over the batch's real tokens only, row by row (models.token_pass):
@@ -127,7 +127,7 @@ class Decoder(nn.Module):
             x = layer(x, cos, sin, TokenKV(kc, vc, meta, op), None)
             if i in self.feature_layers:
                 kept.append(x)
-        return torch.cat([*kept, x], -1) if kept else x
+        return _led_by(kept, x)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Final norm and LM head over pre-norm hidden states [..., dim] -> [..., V] fp32 (the
@@ -161,6 +161,11 @@ class Decoder(nn.Module):
         self.lm_head.weight_t.copy_(g("model.embed_tokens.weight" if a.tie_embeddings else "lm_head.weight").t())
         for i, blk in enumerate(self.layers):
             blk.load_hf(g, f"model.layers.{i}.")
+
+
+def _led_by(kept: list[Tensor], x: Tensor) -> Tensor:
+    """The last layer's rows x after the feature layers' outputs kept on the way (forward)."""
+    return torch.cat([*kept, x], -1) if kept else x
 
 
 def _padded(x: Tensor, rows: Tensor | None, B: int, T: int) -> Tensor:
