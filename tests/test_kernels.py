@@ -164,16 +164,17 @@ def test_inside_a_compiled_graph():
 
 # -- attention (attention.cpp): a token pass's per-token attention ----------------------------------
 
-def _attention_case(n_tokens: int, window: int = 0, softcap: float = 0.0, seed: int = 0, hd: int = 64):
+def _attention_case(n_tokens: int, window: int = 0, softcap: float = 0.0, seed: int = 0, hd: int = 64,
+                    start: int = 100, length: int = 130):
     g = torch.Generator().manual_seed(seed)
-    slots, heads, kv_heads, length = 3, 6, 2, 130
+    slots, heads, kv_heads = 3, 6, 2
     k_cache = torch.randn(slots, kv_heads, length, hd, generator=g).bfloat16()
     v_cache = torch.randn(slots, kv_heads, length, hd, generator=g).bfloat16()
     q = torch.randn(n_tokens, heads, hd, generator=g).bfloat16()
     k = torch.randn(n_tokens, kv_heads, hd, generator=g).bfloat16()
     v = torch.randn(n_tokens, kv_heads, hd, generator=g).bfloat16()
     # two sequences: slot 2 at positions 100.., slot 0 at 7..
-    meta = chain_meta([(2, 100 + i) for i in range(n_tokens - n_tokens // 2)] + [(0, 7 + i) for i in range(n_tokens // 2)])
+    meta = chain_meta([(2, start + i) for i in range(n_tokens - n_tokens // 2)] + [(0, 7 + i) for i in range(n_tokens // 2)])
     return q, k, v, k_cache, v_cache, meta, window, hd**-0.5, softcap
 
 
@@ -199,11 +200,33 @@ def test_attention_kernel_matches_sdpa_and_writes_the_cache(window, softcap, hd)
     assert (ours.float() - ref.float()).abs().max().item() < 0.02
 
 
-@pytest.mark.parametrize("n_tokens,window", [(9, 0), (21, 0), (21, 16)])
-def test_attention_kernel_is_batch_invariant(n_tokens, window):
+@pytest.fixture(params=[True, False], ids=["tiles", "vectors"])
+def tiles(request):
+    """Runs' scores and weighted sums on AMX's tile unit where the machine has it, and without."""
+    if request.param and torch.ops.specdec_attention.attend_isa() != "amx-bf16":
+        pytest.skip("no AMX-BF16 here")
+    before = torch.ops.specdec_attention.attend_allow_tiles(request.param)
+    yield request.param
+    torch.ops.specdec_attention.attend_allow_tiles(before)
+
+
+@pytest.mark.parametrize("start,length", [(100, 130), (250, 420)])  # 250: runs across chunks of 128 keys
+def test_attention_paths_match_sdpa(tiles, start, length):
+    from specdec.models import token_pass
+
+    q, k, v, kc, vc, meta, w, scale, cap = _attention_case(21, 0, hd=64, start=start, length=length)
+    ours = torch.ops.specdec_attention.attend_tokens(q, k, v, kc.clone(), vc.clone(), meta, w, scale, cap)
+    ref = token_pass.attend_tokens(q, k, v, kc.clone(), vc.clone(), meta, w, scale, cap)
+    assert (ours.float() - ref.float()).abs().max().item() < 0.02
+
+
+@pytest.mark.parametrize("n_tokens,window,start,length", [(9, 0, 100, 130), (21, 0, 100, 130), (21, 16, 100, 130),
+                                                           (21, 0, 250, 420), (21, 200, 250, 420)])
+def test_attention_kernel_is_batch_invariant(tiles, n_tokens, window, start, length):
     """Tokens share key loads in runs of a slot's consecutive tokens (21: runs longer than one task
-    takes); a token's output is the same bits whatever run it falls in."""
-    q, k, v, kc, vc, meta, w, scale, cap = _attention_case(n_tokens, window)
+    takes), and long contexts split into chunks of keys at fixed positions (start 250: runs across
+    chunk edges); a token's output is the same bits whatever run it falls in."""
+    q, k, v, kc, vc, meta, w, scale, cap = _attention_case(n_tokens, window, start=start, length=length)
     kc_all, vc_all = kc.clone(), vc.clone()
     together = torch.ops.specdec_attention.attend_tokens(q, k, v, kc_all, vc_all, meta, w, scale, cap)
     for i in range(len(q)):
@@ -220,17 +243,17 @@ def test_attention_kernel_is_batch_invariant(n_tokens, window):
 TREE = [-1, 0, 1, 0, 3, 1, 2, 6, 7, 8, 9]  # parents of a draft tree's nodes: branches, and a chain past a run's length
 
 
-@pytest.mark.parametrize("window,hd", [(0, 64), (8, 64), (0, 96), (8, 48)])  # 48: the per-token path
-def test_attention_over_a_token_tree_gives_each_node_its_paths_bits(window, hd):
+@pytest.mark.parametrize("window,hd,start", [(0, 64, 100), (8, 64, 100), (0, 96, 100), (8, 48, 100),  # 48: per token
+                                             (0, 64, 122)])  # a tree across a chunk edge
+def test_attention_over_a_token_tree_gives_each_node_its_paths_bits(tiles, window, hd, start):
     """A tree's nodes sit at the rows after their sequence's (siblings share a position); each
     node's output is the bits of its path computed as a plain sequence, and the Python op agrees."""
     from specdec.models import token_pass
 
-    q, k, v, kc, vc, _, w, scale, cap = _attention_case(len(TREE), window, hd=hd)
+    q, k, v, kc, vc, _, w, scale, cap = _attention_case(len(TREE), window, hd=hd, length=160)
     depth = []
     for p in TREE:
         depth.append(0 if p < 0 else depth[p] + 1)
-    start = 100
     meta = torch.tensor([[2, start + d, start + j, p] for j, (d, p) in enumerate(zip(depth, TREE))])
     kc_t, vc_t, kc_r, vc_r = kc.clone(), vc.clone(), kc.clone(), vc.clone()
     tree = torch.ops.specdec_attention.attend_tokens(q, k, v, kc_t, vc_t, meta, w, scale, cap)

@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <string>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -94,6 +96,19 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 #endif
+
+// the largest of x[0 .. n): exact in any order, so taken 16 at a time
+inline float max_of(const float* x, int64_t n) {
+  int64_t j = 0;
+  float mx = -INFINITY;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_set1_ps(-INFINITY);
+  for (; j + 16 <= n; j += 16) acc = _mm512_max_ps(acc, _mm512_loadu_ps(x + j));
+  mx = _mm512_reduce_max_ps(acc);
+#endif
+  for (; j < n; ++j) mx = x[j] > mx ? x[j] : mx;
+  return mx;
+}
 
 // scores[j] = e^(scores[j] - mx) for j < n; returns their sum (in a fixed order).
 inline float exp_shifted(float* scores, int64_t n, float mx) {
@@ -190,6 +205,7 @@ void attend_group(const float* q, int64_t G, const uint16_t* k, const uint16_t* 
 
 constexpr int64_t RUN = 8;     // tokens per task: a verify pass's K + 1, prefill in chunks
 constexpr int64_t BLOCK = 16;  // keys per block
+constexpr int64_t SPAN = 128;  // keys per task: a long context spreads over the threads
 
 // a[0..15]: 16 vectors of partial sums -> lane j holds the sum of a[j]'s lanes, by one fixed tree
 inline __m512 sum16(__m512* a) {
@@ -214,6 +230,7 @@ struct Run {  // what one task reads and writes
   float scale, softcap;
   const int64_t* rows;   // rows[j - rows_from]: the row holding position j >= rows_from (a tree's)
   int64_t rows_from, rows_len;
+  const uint16_t* qb;    // the queries packed for the tile unit (pack_queries), or null: none here
   int64_t row(int64_t j) const { return j >= rows_from && j < rows_from + rows_len ? rows[j - rows_from] : j; }
 };
 
@@ -253,6 +270,176 @@ void score_run(const Run& R, int64_t base, int64_t end, float* kf, float* scores
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define ATT_AMX 1
+}  // namespace
+#include <sys/syscall.h>
+#include <unistd.h>
+namespace {
+
+// ---- AMX-BF16 for the scores: 16 keys x 16 queries x 32 dimensions in one instruction ----
+// Each score is its own key row times its own query column, summed by the tile unit in one fixed
+// way whatever the other rows and columns hold, so a token keeps its bits alone or in a run.
+
+constexpr int QMAX_AMX = 64;  // queries a run may have here: four result tiles of 16
+
+bool tiles_granted() {  // Linux hands out the tile state only on request, once per process
+  static const bool granted = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return granted;
+}
+
+struct ScoreTiles {  // palette 1: tmm0-3 scores [16 keys][16 queries] fp32, tmm4 keys, tmm5 queries
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  ScoreTiles() {
+    for (int t = 0; t < 6; ++t) rows[t] = 16, colsb[t] = 64;
+  }
+};
+
+std::atomic<bool> tiles_allowed{true};  // attend_allow_tiles: tests compare both paths
+
+bool use_tiles(int64_t queries, int64_t hd) {
+  return tiles_allowed.load(std::memory_order_relaxed) && queries <= QMAX_AMX && hd % 32 == 0 && hd <= 256 && tiles_granted();
+}
+void tiles_on() {
+  const ScoreTiles cfg;
+  _tile_loadconfig(&cfg);
+}
+void tiles_off() { _tile_release(); }
+
+// queries [Q][hd] fp32 (bfloat16 values) -> qb [groups of 16][hd / 32][16 dimension pairs][16 queries x 2]:
+// a query's 32 dimensions become one column of a tile, a pair of them per row
+void pack_queries(const float* q, int64_t Q, int64_t hd, uint16_t* qb) {
+  const int64_t groups = (Q + 15) / 16, nc = hd / 32;
+  std::memset(qb, 0, groups * nc * 512 * sizeof(uint16_t));
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(64));
+  for (int64_t r = 0; r < Q; ++r)
+    for (int64_t c = 0; c < nc; ++c) {
+      const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + r * hd + c * 32 + 16),
+                                                         _mm512_loadu_ps(q + r * hd + c * 32));
+      _mm512_i32scatter_epi32(qb + (r / 16 * nc + c) * 512 + (r % 16) * 2, rows, pairs, 1);
+    }
+}
+
+// scores[r][j - base] for every query r and key j of the blocks [base, end); false where the tile
+// unit is missing or the run has more queries than four tiles hold (then score_run does it)
+bool score_run_amx(const Run& R, int64_t base, int64_t end, float* scores, int64_t span) {
+  const int64_t Q = R.T * R.G, hd = R.hd, nc = hd / 32, groups = (Q + 15) / 16;
+  if (R.qb == nullptr) return false;
+  const uint16_t* qb = R.qb;
+  alignas(64) uint16_t kb[BLOCK * 256];
+  alignas(64) float cb[QMAX_AMX / 16][BLOCK * 16];
+  for (int64_t b0 = base; b0 < end; b0 += BLOCK) {
+    const uint16_t* kp = R.k + b0 * hd;  // the block's keys in place, unless a tree's rows or the cache's end intervene
+    const bool plain = b0 + BLOCK <= R.L && (b0 + BLOCK <= R.rows_from || b0 >= R.rows_from + R.rows_len);
+    if (!plain) {
+      for (int64_t j = 0; j < BLOCK; ++j) {
+        if (b0 + j >= R.L) std::memset(kb + j * hd, 0, hd * sizeof(uint16_t));
+        else std::memcpy(kb + j * hd, R.k + R.row(b0 + j) * hd, hd * sizeof(uint16_t));
+      }
+      kp = kb;
+    }
+#define ATT_SCORE_GROUP(C)                                            \
+  if ((C) < groups) {                                                 \
+    _tile_zero(C);                                                    \
+    for (int64_t c = 0; c < nc; ++c) {                                \
+      _tile_loadd(4, kp + c * 32, hd * sizeof(uint16_t));             \
+      _tile_loadd(5, qb + ((C) * nc + c) * 512, 64);                  \
+      _tile_dpbf16ps(C, 4, 5);                                        \
+    }                                                                 \
+    _tile_stored(C, cb[C], 64);                                       \
+  }
+    ATT_SCORE_GROUP(0) ATT_SCORE_GROUP(1) ATT_SCORE_GROUP(2) ATT_SCORE_GROUP(3)
+#undef ATT_SCORE_GROUP
+    for (int64_t r = 0; r < Q; ++r) {
+      const int64_t t = r / R.G;
+      if (R.hi[t] <= b0 || R.lo[t] >= b0 + BLOCK) continue;
+      float* out = scores + r * span + (b0 - base);
+      const float* col = cb[r / 16] + r % 16;
+      for (int64_t j = 0; j < BLOCK; ++j) out[j] = col[j * 16] * R.scale;
+      if (R.softcap > 0.f)
+        for (int64_t j = 0; j < BLOCK; ++j) out[j] = std::tanh(out[j] / R.softcap) * R.softcap;
+    }
+  }
+  return true;
+}
+
+// values [32 keys from position j0][hd] -> vb [hd / 16][16 key pairs][16 dimensions x 2], as the
+// tile unit's second operand wants them; positions past L are zero
+void pack_values(const Run& R, int64_t j0, uint16_t* vb) {
+  const int64_t hd = R.hd, nt = hd / 16;
+  alignas(64) static const uint16_t order[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(order);  // keys a and b of a pair, dimension by dimension
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t p = 0; p < 16; ++p) {
+    const int64_t ja = j0 + 2 * p, jb = ja + 1;
+    const uint16_t *va = ja < R.L ? R.v + R.row(ja) * hd : nullptr, *vb2 = jb < R.L ? R.v + R.row(jb) * hd : nullptr;
+    for (int64_t h = 0; h < hd / 32; ++h) {
+      const __m512i a = va ? _mm512_loadu_si512(va + h * 32) : _mm512_setzero_si512();
+      const __m512i b = vb2 ? _mm512_loadu_si512(vb2 + h * 32) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vb + ((2 * h) * 16 + p) * 32, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(vb + ((2 * h + 1) * 16 + p) * 32, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
+// out[r] = sum of p[r][j] v[j] over each query's keys, on the tile unit: p rounded to bfloat16, as
+// flash attention does on GPUs, the sums in fp32, 32 keys at a time from a multiple of 32 (base)
+bool weigh_run_amx(const Run& R, int64_t base, int64_t end, const float* scores, int64_t span, float* out) {
+  const int64_t Q = R.T * R.G, hd = R.hd, nt = hd / 16, steps = (end - base + 31) / 32, groups = (Q + 15) / 16;
+  if (R.qb == nullptr || hd % 32 != 0 || base % 32 != 0 || steps * 32 > span) return false;
+  thread_local std::vector<uint16_t> vbuf, pbuf;
+  vbuf.resize(steps * nt * 512);
+  pbuf.resize(groups * steps * 512);
+  for (int64_t st = 0; st < steps; ++st) pack_values(R, base + 32 * st, vbuf.data() + st * nt * 512);
+  std::fill(pbuf.begin(), pbuf.end(), 0);
+  for (int64_t r = 0; r < Q; ++r) {  // each query's weights over exactly its keys, zero elsewhere
+    const int64_t t = r / R.G, a = R.lo[t] - base, b = R.hi[t] - base;
+    for (int64_t st = 0; st < steps; ++st) {
+      const int64_t k0 = 32 * st;
+      if (b <= k0 || a >= k0 + 32) continue;
+      const uint32_t keep = (b - k0 >= 32 ? 0xffffffffu : (1u << (b - k0)) - 1u) & (a <= k0 ? 0xffffffffu : ~((1u << (a - k0)) - 1u));
+      const __m512 w0 = _mm512_maskz_loadu_ps(static_cast<__mmask16>(keep), scores + r * span + k0);
+      const __m512 w1 = _mm512_maskz_loadu_ps(static_cast<__mmask16>(keep >> 16), scores + r * span + k0 + 16);
+      _mm512_storeu_si512(pbuf.data() + ((r / 16) * steps + st) * 512 + (r % 16) * 32, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+    }
+  }
+  alignas(64) float cb[4][256];
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t d0 = 0; d0 < nt; d0 += 4) {  // up to four result tiles of 16 dimensions at a time
+      const int64_t n = std::min<int64_t>(4, nt - d0);
+#define ATT_WEIGH_TILE(C)                                                      \
+  if ((C) < n) {                                                               \
+    _tile_loadd(5, vbuf.data() + (st * nt + d0 + (C)) * 512, 64);              \
+    _tile_dpbf16ps(C, 4, 5);                                                   \
+  }
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t st = 0; st < steps; ++st) {
+        _tile_loadd(4, pbuf.data() + (g * steps + st) * 512, 64);
+        ATT_WEIGH_TILE(0) ATT_WEIGH_TILE(1) ATT_WEIGH_TILE(2) ATT_WEIGH_TILE(3)
+      }
+#undef ATT_WEIGH_TILE
+      _tile_stored(0, cb[0], 64); _tile_stored(1, cb[1], 64); _tile_stored(2, cb[2], 64); _tile_stored(3, cb[3], 64);
+      for (int64_t qi = 0; qi < 16 && g * 16 + qi < Q; ++qi)
+        for (int64_t c = 0; c < n; ++c)
+          std::memcpy(out + (g * 16 + qi) * hd + (d0 + c) * 16, cb[c] + qi * 16, 16 * sizeof(float));
+    }
+  return true;
+}
+#else
+bool use_tiles(int64_t, int64_t) { return false; }
+void tiles_on() {}
+void tiles_off() {}
+bool score_run_amx(const Run&, int64_t, int64_t, float*, int64_t) { return false; }
+bool weigh_run_amx(const Run&, int64_t, int64_t, const float*, int64_t, float*) { return false; }
+#endif
+
 // o[h] += p[h][j] v[j] for j = j0 .. j1 - 1, h < heads (1 or 2): two heads at once keep twice the
 // independent sums in flight; each head's sum runs over the keys in the same order either way
 template <int NV>
@@ -272,10 +459,9 @@ inline void weigh_block(const float* vf, const float* p, int64_t span, int64_t j
   for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + c * 16, a[c]);
 }
 
-// out[r] = inv[r] * sum of p[r][j] v[j] over each query's keys, in ascending order
+// out[r] = sum of p[r][j] v[j] over each query's keys, in ascending order
 template <int NV>
-void weigh_run(const Run& R, int64_t base, int64_t end, float* vf, const float* scores, int64_t span,
-               const float* inv, float* out) {
+void weigh_run(const Run& R, int64_t base, int64_t end, float* vf, const float* scores, int64_t span, float* out) {
   const int64_t Q = R.T * R.G;
   for (int64_t i = 0; i < Q * NV * 16; ++i) out[i] = 0.f;
   for (int64_t b0 = base; b0 < end; b0 += BLOCK) {
@@ -288,32 +474,34 @@ void weigh_run(const Run& R, int64_t base, int64_t end, float* vf, const float* 
         weigh_block<NV>(vf, scores + r * span + (b0 - base), span, j0, j1, static_cast<int>(heads), out + r * NV * 16);
     }
   }
-  for (int64_t r = 0; r < Q; ++r) {
-    const __m512 s = _mm512_set1_ps(inv[r]);
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + r * NV * 16 + c * 16, _mm512_mul_ps(_mm512_loadu_ps(out + r * NV * 16 + c * 16), s));
-  }
 }
 
-// the run's attention: out [Q][hd] fp32
+// one chunk of the run's keys (R.lo/R.hi already cut to it): per query its scores' maximum m, the
+// sum l of e^(s - m) and the unnormalised output o [hd]; a query with no key here gets l = 0
 template <int NV>
-void attend_run(const Run& R, std::vector<float>& buf, float* out) {
+void attend_part(const Run& R, std::vector<float>& buf, float* m, float* l, float* o) {
   const int64_t Q = R.T * R.G;
-  int64_t base = R.lo[0], end = R.hi[0];
-  for (int64_t t = 1; t < R.T; ++t) base = std::min(base, R.lo[t]), end = std::max(end, R.hi[t]);
-  base -= base % BLOCK;
-  const int64_t span = (end - base + BLOCK - 1) / BLOCK * BLOCK;
-  buf.resize(BLOCK * R.hd + Q * span + Q);
-  float *kf = buf.data(), *scores = kf + BLOCK * R.hd, *inv = scores + Q * span;
-  score_run<NV>(R, base, end, kf, scores, span);
+  int64_t base = INT64_MAX, end = 0;
+  for (int64_t t = 0; t < R.T; ++t)
+    if (R.lo[t] < R.hi[t]) base = std::min(base, R.lo[t]), end = std::max(end, R.hi[t]);
+  if (end == 0) {
+    for (int64_t r = 0; r < Q; ++r) m[r] = -INFINITY, l[r] = 0.f;
+    return;
+  }
+  base -= base % (2 * BLOCK);  // the tile unit sums values 32 keys at a time, from a multiple of 32
+  const int64_t span = (end - base + 2 * BLOCK - 1) / (2 * BLOCK) * (2 * BLOCK);
+  buf.resize(BLOCK * R.hd + Q * span);
+  float *kf = buf.data(), *scores = kf + BLOCK * R.hd;
+  if (!score_run_amx(R, base, end, scores, span)) score_run<NV>(R, base, end, kf, scores, span);
   for (int64_t r = 0; r < Q; ++r) {
     const int64_t t = r / R.G;
     float* s = scores + r * span + (R.lo[t] - base);
     const int64_t n = R.hi[t] - R.lo[t];
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
-    inv[r] = 1.f / exp_shifted(s, n, mx);
+    const float mx = max_of(s, n);
+    m[r] = mx;
+    l[r] = n > 0 ? exp_shifted(s, n, mx) : 0.f;
   }
-  weigh_run<NV>(R, base, end, kf, scores, span, inv, out);
+  if (!weigh_run_amx(R, base, end, scores, span, o)) weigh_run<NV>(R, base, end, kf, scores, span, o);
 }
 #endif
 
@@ -348,7 +536,11 @@ struct Pass {  // one call's shapes and pointers
 // token i's query heads of key/value head g -> fp32 [G][hd]
 inline void widen_queries(const Pass& P, int64_t i, int64_t g, float* dst) {
   const uint16_t* qi = P.q + (i * P.H + g * P.G) * P.hd;
-  for (int64_t d = 0; d < P.G * P.hd; ++d) dst[d] = bf16_to_float(qi[d]);
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= P.G * P.hd; d += 16) _mm512_storeu_ps(dst + d, load16(qi + d));
+#endif
+  for (; d < P.G * P.hd; ++d) dst[d] = bf16_to_float(qi[d]);
 }
 
 inline void narrow_out(const Pass& P, int64_t i, int64_t g, const float* src) {
@@ -385,35 +577,100 @@ void attend_per_token(const Pass& P, int64_t longest) {
 }
 
 #if defined(__AVX512F__)
-// one task per (run of a slot's consecutive tokens, key/value head): a run is a chain, each token
-// the child of the one before, so all of its tokens read the same row at each position
+// tokens i0 .. i0 + T of a run, head g: each query's partial sums over `chunks` chunks (parts, one
+// per stride: m, l, o as attend_part leaves them), merged in ascending order into its output:
+// sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the largest m_c
+void merge_chunks(const Pass& P, int64_t i0, int64_t T, int64_t g, const float* parts, int64_t chunks, int64_t stride,
+                  int64_t QR, float* of) {
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < P.G; ++h) {
+      const int64_t q = t * P.G + h;
+      float mx = -INFINITY, sum = 0.f, *o = of + h * P.hd;
+      for (int64_t c = 0; c < chunks; ++c)
+        if (parts[c * stride + QR + q] > 0.f) mx = std::max(mx, parts[c * stride + q]);
+      std::fill(o, o + P.hd, 0.f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* pc = parts + c * stride;
+        if (!(pc[QR + q] > 0.f)) continue;
+        const float w = std::exp(pc[q] - mx);
+        sum += w * pc[QR + q];
+        for (int64_t d = 0; d < P.hd; ++d) o[d] += w * pc[2 * QR + q * P.hd + d];
+      }
+      for (int64_t d = 0; d < P.hd; ++d) o[d] /= sum;
+    }
+    narrow_out(P, i0 + t, g, of);
+  }
+}
+
+// A task is (run of a slot's consecutive tokens, key/value head, chunk of SPAN keys). A run is a
+// chain, each token the child of the one before, so its tokens read the same row at each position.
+// Chunks sit at fixed absolute positions, so a query's partial sums and their merge (in chunk
+// order) are the same whatever else shares its pass; they spread a long context over the threads.
+struct Task {
+  int64_t run, head, chunk, part;  // part: this task's slot in the partial sums
+};
+
 void attend_by_runs(const Pass& P) {
   std::vector<int64_t> starts;  // run r: tokens starts[r] .. starts[r + 1]
   for (int64_t i = 0; i < P.N; ++i)
     if (i == 0 || P.parent(i) != i - 1 || i - starts.back() == RUN) starts.push_back(i);
   starts.push_back(P.N);
-  const int64_t runs = static_cast<int64_t>(starts.size()) - 1;
+  const int64_t runs = static_cast<int64_t>(starts.size()) - 1, QR = RUN * P.G, stride = QR * (P.hd + 2);
   std::vector<std::vector<int64_t>> rows(runs);  // each run's path rows, from its last token
-  std::vector<int64_t> rows_from(runs, 0);
-  for (int64_t r = 0; r < runs; ++r) P.path_rows(starts[r + 1] - 1, rows[r], &rows_from[r]);
-  at::parallel_for(0, runs * P.Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf, qf(RUN * P.G * P.hd), of(RUN * P.G * P.hd);
-    int64_t lo[RUN], hi[RUN];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / P.Hkv, g = task % P.Hkv, i0 = starts[r], T = starts[r + 1] - i0;
-      for (int64_t t = 0; t < T; ++t) {
-        lo[t] = P.lo(i0 + t), hi[t] = P.pos(i0 + t) + 1;
-        widen_queries(P, i0 + t, g, qf.data() + t * P.G * P.hd);
+  std::vector<int64_t> rows_from(runs, 0), first(runs), chunks(runs);
+  std::vector<Task> tasks;
+  for (int64_t r = 0; r < runs; ++r) {
+    P.path_rows(starts[r + 1] - 1, rows[r], &rows_from[r]);
+    int64_t lo = INT64_MAX, hi = 0;
+    for (int64_t i = starts[r]; i < starts[r + 1]; ++i) lo = std::min(lo, P.lo(i)), hi = std::max(hi, P.pos(i) + 1);
+    first[r] = lo / SPAN, chunks[r] = (hi - 1) / SPAN + 1 - first[r];
+    for (int64_t g = 0; g < P.Hkv; ++g)
+      for (int64_t c = 0; c < chunks[r]; ++c) tasks.push_back({r, g, first[r] + c, static_cast<int64_t>(tasks.size())});
+  }
+  bool one_chunk = true;  // then each task finishes its queries itself
+  for (int64_t r = 0; r < runs; ++r) one_chunk &= chunks[r] == 1;
+  thread_local std::vector<float> keep;  // the caller's: the team's threads reach it through `parts`
+  keep.resize(std::max<size_t>(keep.size(), tasks.size() * stride));
+  float* const parts = keep.data();  // per task and query: m, l, o [hd]
+  const bool tiles = use_tiles(P.G * RUN, P.hd);  // by the model's shape only: every token takes one path
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf, qf(QR * P.hd), of(P.G * P.hd);
+    std::vector<uint16_t> qb(tiles ? (QR + 15) / 16 * P.hd / 32 * 512 : 0);
+    int64_t lo[RUN], hi[RUN], have = -1;  // have: the run and head whose queries qf holds
+    if (tiles) tiles_on();
+    for (int64_t k = begin; k < end; ++k) {
+      const Task& tk = tasks[k];
+      const int64_t r = tk.run, g = tk.head, i0 = starts[r], T = starts[r + 1] - i0;
+      const int64_t cs = tk.chunk * SPAN, ce = cs + SPAN;
+      if (have != r * P.Hkv + g) {
+        for (int64_t t = 0; t < T; ++t) widen_queries(P, i0 + t, g, qf.data() + t * P.G * P.hd);
+        if (tiles) pack_queries(qf.data(), T * P.G, P.hd, qb.data());
+        have = r * P.Hkv + g;
       }
+      for (int64_t t = 0; t < T; ++t)
+        lo[t] = std::max(P.lo(i0 + t), cs), hi[t] = std::max(lo[t], std::min(P.pos(i0 + t) + 1, ce));
       const Run R{qf.data(), lo, hi, P.kc + P.base(i0, g), P.vc + P.base(i0, g), T, P.G, P.hd, P.L, P.scale, P.softcap,
-                  rows[r].data(), rows_from[r], static_cast<int64_t>(rows[r].size())};
+                  rows[r].data(), rows_from[r], static_cast<int64_t>(rows[r].size()), tiles ? qb.data() : nullptr};
+      float *m = parts + tk.part * stride, *l = m + QR, *o = l + QR;
       switch (P.hd) {
-        case 64: attend_run<4>(R, buf, of.data()); break;
-        case 96: attend_run<6>(R, buf, of.data()); break;
-        case 128: attend_run<8>(R, buf, of.data()); break;
-        default: attend_run<16>(R, buf, of.data()); break;
+        case 64: attend_part<4>(R, buf, m, l, o); break;
+        case 96: attend_part<6>(R, buf, m, l, o); break;
+        case 128: attend_part<8>(R, buf, m, l, o); break;
+        default: attend_part<16>(R, buf, m, l, o); break;
       }
-      for (int64_t t = 0; t < T; ++t) narrow_out(P, i0 + t, g, of.data() + t * P.G * P.hd);
+      if (one_chunk) merge_chunks(P, i0, T, g, m, 1, stride, QR, of.data());
+    }
+    if (tiles) tiles_off();
+  });
+  if (one_chunk) return;
+  std::vector<int64_t> run_part(runs);  // the part of run r's head 0, chunk 0; head g's follow
+  for (int64_t r = 0, k = 0; r < runs; k += P.Hkv * chunks[r], ++r) run_part[r] = k;
+  at::parallel_for(0, runs * P.Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> of(P.G * P.hd);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / P.Hkv, g = task % P.Hkv;
+      merge_chunks(P, starts[r], starts[r + 1] - starts[r], g, parts + (run_part[r] + g * chunks[r]) * stride,
+                   chunks[r], stride, QR, of.data());
     }
   });
 }
@@ -472,7 +729,30 @@ at::Tensor attend_tokens(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_
   return out;
 }
 
+// whether runs may use the tile unit (where the machine has it); returns the previous setting
+bool attend_allow_tiles(bool allow) {
+#if defined(ATT_AMX)
+  return tiles_allowed.exchange(allow);
+#else
+  return false;
+#endif
+}
+
+// the ISA the runs' scores and weighted sums take here
+std::string attend_isa() {
+#if defined(ATT_AMX)
+  if (use_tiles(1, 64)) return "amx-bf16";
+#endif
+#if defined(__AVX512F__)
+  return "avx512";
+#else
+  return "scalar";
+#endif
+}
+
 TORCH_LIBRARY(specdec_attention, m) {
+  m.def("attend_allow_tiles(bool allow) -> bool", &attend_allow_tiles);
+  m.def("attend_isa() -> str", &attend_isa);
   m.def("attend_tokens(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor meta, "
         "int window, float scale, float softcap) -> Tensor");
   m.impl("attend_tokens", torch::kCPU, &attend_tokens);
