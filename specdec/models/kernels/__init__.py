@@ -4,7 +4,8 @@ same whatever else shares the call):
   quantised inside the op to int8 per row and group of 32, integer dot products and a fixed float
   fold per row; its cost is nearly flat in the number of rows, where torch's int4 kernel's grows
   with each row (2.6x at 5 rows here), which is what a verify pass of K + 1 tokens pays;
-- attention.cpp: a token pass's attention (models.token_pass), one (token, head) per task.
+- attention.cpp: a token pass's attention (models.token_pass): runs of a sequence's tokens per key/value
+  head and chunk of 128 keys, on AMX-BF16's tile unit where the CPU has it.
 
 `load()` compiles the extension once per (source, torch version, CPU flags) into
 $SPECDEC_HOME/kernels/<hash> (default ~/.cache/specdec) and registers torch.ops.specdec_kernels;

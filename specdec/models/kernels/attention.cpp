@@ -1,8 +1,8 @@
 // Attention of a token pass (specdec/models/token_pass.py): each of N query tokens attends over
-// its own slot's cached keys up to its own position, alone. One (token, head) pair is one task,
-// computed by the same code whatever N is and whichever thread runs it, so a token's output never
-// depends on the other tokens of its pass: the batch invariance speculation needs in bfloat16,
-// for the cost of one call per layer rather than one per token.
+// its own slot's cached keys up to its own position, alone. A query's arithmetic is fixed by its own
+// keys and positions (key blocks and chunks at absolute positions, partial sums merged in chunk
+// order), never by which tokens share its task or pass, so its output is the same bits in any pass:
+// the batch invariance speculation needs in bfloat16, for the cost of one call per layer.
 //
 // Token trees: a token's keys and values are written at its cache row, which is its position
 // except in a draft tree, whose nodes share positions (siblings) and so take rows after the
@@ -610,23 +610,39 @@ struct Task {
   int64_t run, head, chunk, part;  // part: this task's slot in the partial sums
 };
 
-void attend_by_runs(const Pass& P) {
+struct Runs {  // a pass cut into runs, and the runs into tasks
   std::vector<int64_t> starts;  // run r: tokens starts[r] .. starts[r + 1]
-  for (int64_t i = 0; i < P.N; ++i)
-    if (i == 0 || P.parent(i) != i - 1 || i - starts.back() == RUN) starts.push_back(i);
-  starts.push_back(P.N);
-  const int64_t runs = static_cast<int64_t>(starts.size()) - 1, QR = RUN * P.G, stride = QR * (P.hd + 2);
-  std::vector<std::vector<int64_t>> rows(runs);  // each run's path rows, from its last token
-  std::vector<int64_t> rows_from(runs, 0), first(runs), chunks(runs);
+  std::vector<std::vector<int64_t>> rows;  // each run's path rows, from its last token
+  std::vector<int64_t> rows_from, chunks;  // and its number of chunks
   std::vector<Task> tasks;
+  int64_t count() const { return static_cast<int64_t>(starts.size()) - 1; }
+};
+
+Runs plan_runs(const Pass& P) {
+  Runs u;
+  for (int64_t i = 0; i < P.N; ++i)
+    if (i == 0 || P.parent(i) != i - 1 || i - u.starts.back() == RUN) u.starts.push_back(i);
+  u.starts.push_back(P.N);
+  const int64_t runs = u.count();
+  u.rows.resize(runs), u.rows_from.assign(runs, 0), u.chunks.resize(runs);
   for (int64_t r = 0; r < runs; ++r) {
-    P.path_rows(starts[r + 1] - 1, rows[r], &rows_from[r]);
+    P.path_rows(u.starts[r + 1] - 1, u.rows[r], &u.rows_from[r]);
     int64_t lo = INT64_MAX, hi = 0;
-    for (int64_t i = starts[r]; i < starts[r + 1]; ++i) lo = std::min(lo, P.lo(i)), hi = std::max(hi, P.pos(i) + 1);
-    first[r] = lo / SPAN, chunks[r] = (hi - 1) / SPAN + 1 - first[r];
+    for (int64_t i = u.starts[r]; i < u.starts[r + 1]; ++i) lo = std::min(lo, P.lo(i)), hi = std::max(hi, P.pos(i) + 1);
+    const int64_t first = lo / SPAN;
+    u.chunks[r] = (hi - 1) / SPAN + 1 - first;
     for (int64_t g = 0; g < P.Hkv; ++g)
-      for (int64_t c = 0; c < chunks[r]; ++c) tasks.push_back({r, g, first[r] + c, static_cast<int64_t>(tasks.size())});
+      for (int64_t c = 0; c < u.chunks[r]; ++c) u.tasks.push_back({r, g, first + c, static_cast<int64_t>(u.tasks.size())});
   }
+  return u;
+}
+
+void attend_by_runs(const Pass& P) {
+  const Runs u = plan_runs(P);
+  const auto &starts = u.starts, &chunks = u.chunks, &rows_from = u.rows_from;
+  const auto& rows = u.rows;
+  const auto& tasks = u.tasks;
+  const int64_t runs = u.count(), QR = RUN * P.G, stride = QR * (P.hd + 2);
   bool one_chunk = true;  // then each task finishes its queries itself
   for (int64_t r = 0; r < runs; ++r) one_chunk &= chunks[r] == 1;
   thread_local std::vector<float> keep;  // the caller's: the team's threads reach it through `parts`
