@@ -269,3 +269,25 @@ def test_attention_over_a_token_tree_gives_each_node_its_paths_bits(tiles, windo
                                                           chain_meta([(2, start + i) for i in range(len(path))]),
                                                           w, scale, cap)
         assert torch.equal(plain[-1], tree[j]), j
+
+
+@pytest.mark.parametrize("march", ["haswell", "icelake-server"])  # AVX2 only; AVX-512 without AMX
+def test_kernel_sources_compile_for_the_other_cpus(march):
+    """These VMs vary (AMD EPYC with AVX2, Intel Xeon with AVX-512 and AMX), and each build takes
+    the paths its CPU has: every path must compile, not only this machine's."""
+    import shutil
+    import subprocess
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    cxx = shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    cmd = [cxx, "-fsyntax-only", "-std=c++17", f"-march={march}", "-fopenmp", *(f"-isystem{p}" for p in includes),
+           *map(str, kernels.SOURCES)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if "bad value" in r.stderr:
+        pytest.skip(f"this compiler does not know -march={march}")
+    assert r.returncode == 0, r.stderr[-3000:]

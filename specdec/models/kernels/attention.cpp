@@ -434,6 +434,7 @@ bool weigh_run_amx(const Run& R, int64_t base, int64_t end, const float* scores,
 }
 #else
 bool use_tiles(int64_t, int64_t) { return false; }
+void pack_queries(const float*, int64_t, int64_t, uint16_t*) {}
 void tiles_on() {}
 void tiles_off() {}
 bool score_run_amx(const Run&, int64_t, int64_t, float*, int64_t) { return false; }
