@@ -10,7 +10,8 @@ Padding never enters, so neither do masks.
 dispatch cost about as much as the weights' reads. The token count N is left symbolic and
 unbacked, so one graph serves every N (1 included: a graph specialised to N = 1 fused its
 reductions differently and broke invariance), and the attention op stays opaque to the compiler,
-so context lengths never reach a guard. Compiled code is cached under $SPECDEC_HOME/inductor.
+so context lengths never reach a guard. On a CPU the code that calls the graph's kernels is
+C++ too (inductor's cpp_wrapper). Compiled code is cached under $SPECDEC_HOME/inductor.
 """
 from __future__ import annotations
 
@@ -107,10 +108,11 @@ class TokenPass:
             from specdec.models.default import use_compile_cache
 
             use_compile_cache()  # where nothing has fixed it yet (load_model sets it first)
-            import torch._inductor.config as inductor_config
-
-            inductor_config.size_asserts = False  # ~600 shape checks a call, ~0.4 ms of a 1-token pass
-            self._fn = torch.compile(model.token_forward, dynamic=False, fullgraph=True)
+            # no size asserts: ~600 shape checks a call, ~0.4 ms of a 1-token pass. On a CPU the graph's
+            # wrapper is C++: in Python its ~1,000 statements a call (buffers, views, op calls) cost a
+            # 1-token pass ~0.8 ms of ~5 (by hand); compiling it adds ~45 s to the first start, once
+            options = {"size_asserts": False, "cpp_wrapper": w.device.type == "cpu"}
+            self._fn = torch.compile(model.token_forward, dynamic=False, fullgraph=True, options=options)
         else:
             self._fn = model.token_forward
 
