@@ -110,8 +110,10 @@ class TokenPass:
             use_compile_cache()  # where nothing has fixed it yet (load_model sets it first)
             # no size asserts: ~600 shape checks a call, ~0.4 ms of a 1-token pass. On a CPU the graph's
             # wrapper is C++: in Python its ~1,000 statements a call (buffers, views, op calls) cost a
-            # 1-token pass ~0.8 ms of ~5 (by hand); compiling it adds ~45 s to the first start, once
-            options = {"size_asserts": False, "cpp_wrapper": w.device.type == "cpu"}
+            # 1-token pass ~0.3-0.8 ms of ~5 (by hand). Built apart from the kernels, the wrapper
+            # compiles at -O1: the first compile takes ~45 s rather than ~85 s, for the same speed
+            cpu = w.device.type == "cpu"
+            options = {"size_asserts": False, "cpp_wrapper": cpu, "cpp_wrapper_build_separate": cpu}
             self._fn = torch.compile(model.token_forward, dynamic=False, fullgraph=True, options=options)
         else:
             self._fn = model.token_forward
