@@ -121,6 +121,32 @@ def test_feature_layers_lead_the_hidden_rows_and_change_nothing_else(dtype):
     assert not torch.equal(fused[:, :d], plain)  # layer 0's own output
 
 
+def test_compiled_step_drafts_what_the_eager_step_drafts():
+    """On an int4 verifier the head's step runs compiled, as served: a batch of greedy and sampled
+    chains (and trees) gets the eager step's drafts, confidences and q rows."""
+    from specdec.models import quant
+    from specdec.models.tiny import build_tiny, tiny_args
+    from specdec.protocol import ProposeRequest
+
+    model = build_tiny(tiny_args(vocab_size=320), seed=0).to(quant.ACT_DTYPE)  # widths the kernels take
+    quant.quantize_model(model, compiled=False)
+    head = _random_head(model, vocab=128, feature_layers=(0,))
+    assert head.head_q8 is not None
+    g = torch.Generator().manual_seed(0)
+    reqs = [ProposeRequest(f"s{i}", [5, 9, 11 + i], k, p, torch.randn(2 * model.args.dim, generator=g))
+            for i, (k, p) in enumerate([(3, SamplingParams()), (1, SamplingParams()),
+                                        (4, SamplingParams(temperature=0.8, seed=7))])]
+    for width in (1, 2):
+        eager = FeatureHeadProposer(head, width).propose(reqs)
+        for batch in (reqs, reqs[:1]):
+            compiled = FeatureHeadProposer(head, width, compiled=True).propose(batch)
+            for e, c in zip(eager, compiled):
+                assert (c.token_ids, c.parents) == (e.token_ids, e.parents)
+                torch.testing.assert_close(c.scores, e.scores, atol=1e-3, rtol=3e-2)  # bfloat16 between ops
+                if e.probs is not None:
+                    torch.testing.assert_close(c.probs, e.probs, atol=1e-3, rtol=3e-2)
+
+
 def test_sampled_probs_are_distributions(tiny_target, tiny_tok):
     head = _random_head(tiny_target)
     prop = FeatureHeadProposer(head)

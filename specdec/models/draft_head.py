@@ -158,6 +158,15 @@ class DraftHead(nn.Module):
         x = F.rms_norm(feature, (feature.shape[-1],), self.norm_weight, self.verifier_eps)
         return F.linear(x, self.head_weight) if self.head_q8 is None else self.head_q8(x)
 
+    def step(self, feature: Tensor, token: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """One drafting step for B rows: the predicted feature [B, dim], its draft-vocab logits
+        [B, Vd] (float32), the head's likeliest token [B] (verifier ids) and its probability [B]."""
+        f = self(feature, token)
+        logits = self.draft_logits(f).float()
+        best = logits.argmax(dim=-1)
+        p = torch.softmax(logits, dim=-1).gather(1, best[:, None])[:, 0]
+        return f, logits, self.vocab_ids[best], p
+
     def num_trained_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

@@ -96,6 +96,21 @@ def attention_op(device: torch.device, dtype: torch.dtype):
     return torch.ops.specdec.attend_tokens
 
 
+def compile_graph(fn, device: torch.device):
+    """fn compiled as one graph, cached under $SPECDEC_HOME/inductor. The caller marks its batch
+    dimensions unbacked, so one graph serves every batch."""
+    from specdec.models.default import use_compile_cache
+
+    use_compile_cache()  # where nothing has fixed it yet (load_model sets it first)
+    # no size asserts: ~600 shape checks a call, ~0.4 ms of a 1-token pass. On a CPU the graph's
+    # wrapper is C++: in Python its ~1,000 statements a call (buffers, views, op calls) cost a
+    # 1-token pass ~0.3-0.8 ms of ~5 (by hand). Built apart from the kernels, the wrapper
+    # compiles at -O1: the first compile takes ~45 s rather than ~85 s, for the same speed
+    cpu = device.type == "cpu"
+    options = {"size_asserts": False, "cpp_wrapper": cpu, "cpp_wrapper_build_separate": cpu}
+    return torch.compile(fn, dynamic=False, fullgraph=True, options=options)
+
+
 class TokenPass:
     """`model.token_forward` run eagerly or compiled; call with tokens [N], meta [N, 4] (slot,
     position, row, parent: see TokenKV), rope {kind: (cos, sin) [N, hd]} and the caches."""
@@ -104,19 +119,7 @@ class TokenPass:
         self.compiled = compiled
         w = model.embed.weight
         self.attention = attention_op(w.device, w.dtype)
-        if compiled:
-            from specdec.models.default import use_compile_cache
-
-            use_compile_cache()  # where nothing has fixed it yet (load_model sets it first)
-            # no size asserts: ~600 shape checks a call, ~0.4 ms of a 1-token pass. On a CPU the graph's
-            # wrapper is C++: in Python its ~1,000 statements a call (buffers, views, op calls) cost a
-            # 1-token pass ~0.3-0.8 ms of ~5 (by hand). Built apart from the kernels, the wrapper
-            # compiles at -O1: the first compile takes ~45 s rather than ~85 s, for the same speed
-            cpu = w.device.type == "cpu"
-            options = {"size_asserts": False, "cpp_wrapper": cpu, "cpp_wrapper_build_separate": cpu}
-            self._fn = torch.compile(model.token_forward, dynamic=False, fullgraph=True, options=options)
-        else:
-            self._fn = model.token_forward
+        self._fn = compile_graph(model.token_forward, w.device) if compiled else model.token_forward
 
     def __call__(self, tokens: Tensor, meta: Tensor, rope: dict[str, tuple[Tensor, Tensor]],
                  caches: list[tuple[Tensor, Tensor]]) -> Tensor:

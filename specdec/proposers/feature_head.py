@@ -18,6 +18,7 @@ from torch import Tensor
 
 from specdec.models.draft_head import DraftHead
 from specdec.models.llama import Transformer
+from specdec.models.token_pass import compile_graph
 from specdec.protocol import Proposal, ProposeRequest
 from specdec.sampling import draw, logits_to_probs, round_generator
 
@@ -32,15 +33,36 @@ def shipped_head_dir() -> Path:
 class FeatureHeadProposer:
     name = "eagle"
 
-    def __init__(self, head: DraftHead, tree_width: int = 1):
+    def __init__(self, head: DraftHead, tree_width: int = 1, compiled: bool = False):
         self.head = head.eval().requires_grad_(False)
         self.tree_width = tree_width  # children per tree node (1: chains)
+        self._step = self._compiled_step() if compiled else head.step
 
     @classmethod
     def from_pretrained(cls, head_dir: str | Path | None, verifier_model: Transformer,
                         tree_width: int = 1) -> "FeatureHeadProposer":
-        """Load a head saved by `DraftHead.save` (None = the shipped one) onto `verifier_model`."""
-        return cls(DraftHead.load(head_dir or shipped_head_dir(), verifier_model), tree_width)
+        """Load a head saved by `DraftHead.save` (None = the shipped one) onto `verifier_model`;
+        its step is compiled where the verifier's passes are (an int4 verifier, not eager)."""
+        head = DraftHead.load(head_dir or shipped_head_dir(), verifier_model)
+        compiled = head.head_q8 is not None and getattr(getattr(verifier_model, "token_pass", None), "compiled", False)
+        return cls(head, tree_width, compiled)
+
+    def _compiled_step(self):
+        """The head's step as one compiled graph for any number of rows: eagerly its ~40 small ops
+        cost more than its matmuls. Compiled now, at start-up, not in a request: one graph for a
+        first step (the verifier's fused features) and one for the later steps."""
+        fn = compile_graph(self.head.step, self.head.head_weight.device)
+
+        def step(feat: Tensor, tok: Tensor):
+            torch._dynamo.decorators.mark_unbacked(feat, 0)
+            torch._dynamo.decorators.mark_unbacked(tok, 0)
+            return fn(feat, tok)
+
+        w = self.head.head_weight
+        tok = torch.zeros(1, dtype=torch.long, device=w.device)
+        for parts in {len(self.head.cfg.feature_layers) + 1, 1}:
+            step(w.new_zeros(1, parts * self.head.cfg.dim), tok)
+        return step
 
     def free(self, seq_id: str) -> None:
         pass
@@ -69,11 +91,10 @@ class FeatureHeadProposer:
                 for r in reqs]
         probs: dict[int, list] = {b: [] for b, r in enumerate(reqs) if not r.params.greedy}
         conf = torch.ones(len(reqs), device=feat.device)  # each chain's probability so far
+        steps: list[tuple[Tensor, Tensor]] = []  # per step: (tokens [B], chain probabilities [B])
         for step in range(max(ks)):
-            feat = head(feat, tok)  # [B, dim] predicted next feature
-            logits = head.draft_logits(feat).float()  # [B, Vd]
-            best = logits.argmax(dim=-1)
-            nxt, p_tok = head.vocab_ids[best], torch.softmax(logits, dim=-1).gather(1, best[:, None])[:, 0]
+            # the predicted next feature [B, dim], its draft logits [B, Vd], the argmax and its probability
+            feat, logits, nxt, p_tok = self._step(feat, tok)
             for b, r in enumerate(reqs):
                 if step >= ks[b] or r.params.greedy:
                     continue
@@ -84,11 +105,12 @@ class FeatureHeadProposer:
                 p_tok[b] = q[nxt[b]]
                 probs[b].append(q)
             conf = conf * p_tok
-            for b, (t, c) in enumerate(zip(nxt.tolist(), conf.tolist())):
-                if step < ks[b]:
-                    out[b].token_ids.append(t)
-                    out[b].scores.append(c)
+            steps.append((nxt, conf))
             tok = nxt
+        # one host sync for the whole chain
+        toks, confs = (torch.stack(x).tolist() for x in zip(*steps))  # [steps][B]
+        for b, k in enumerate(ks):
+            out[b].token_ids, out[b].scores = [t[b] for t in toks[:k]], [c[b] for c in confs[:k]]
         for b, plist in probs.items():
             out[b].probs = torch.stack(plist)  # [K, V]
         return out
@@ -104,8 +126,8 @@ class FeatureHeadProposer:
         level: list[list[int]] = [[-1] for _ in range(B)]  # node index of each kept row (-1: the root)
         nodes: list[list[tuple[int, int, float]]] = [[] for _ in range(B)]  # (token, parent, score)
         for step in range(max(ks)):
-            feat = head(feat, tok)  # [B * rows, dim]
-            lp = torch.log_softmax(head.draft_logits(feat).float(), dim=-1)  # [B * rows, Vd]
+            feat, logits, _, _ = self._step(feat, tok)  # [B * rows, dim], [B * rows, Vd]
+            lp = torch.log_softmax(logits, dim=-1)
             top_lp, top_i = lp.topk(w, dim=-1)  # [B * rows, w]
             cand = (logp.reshape(-1, 1) + top_lp).view(B, -1)  # [B, rows * w]
             logp, pick = cand.topk(w, dim=-1)  # [B, w] the w likeliest paths one deeper
