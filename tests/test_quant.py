@@ -69,3 +69,32 @@ def test_int4_speculative_greedy_equals_int4_plain_greedy(int4_target):
     outs = make_engine(target, draft, k=4).generate(prompts, GREEDY)  # one ragged batch
     assert [o.token_ids for o in outs] == plain
     assert 0 < sum(o.metrics.num_accepted for o in outs) < sum(o.metrics.num_drafted for o in outs)
+
+
+def test_compiled_passes_run_past_dynamo_with_its_bits(int4_target):
+    """After its first call a compiled pass runs dynamo's rewritten code directly (models.compiled)
+    and computes the same bits as through dynamo; a new cache shape or feature layers go through
+    dynamo again (a recompile) rather than into code compiled for the old ones."""
+    from specdec.models.runner import ModelRunner
+
+    target, _ = int4_target
+    fn = target.token_pass._fn
+    prompts = ragged_prompts(3)
+
+    def hidden(max_len):
+        runner = ModelRunner(target, 4, max_len)
+        ids = [f"s{i}" for i in range(len(prompts))]
+        runner.sync(ids, prompts, [0] * len(ids))
+        h, valid = runner.forward(ids, prompts)
+        return h[valid]
+
+    first = hidden(256)
+    assert any(f is not None for f in fn._direct.values())  # dynamo found the code to call directly
+    assert torch.equal(hidden(256), first)  # the direct call
+    fn._direct.clear()
+    assert torch.equal(hidden(256), first)  # through dynamo
+    keys = len(fn._direct)
+    assert torch.equal(hidden(192), first) and len(fn._direct) == keys + 1  # other caches: their own code
+    target.feature_layers = (0,)
+    assert hidden(256).shape[1] == 2 * target.args.dim and len(fn._direct) == keys + 2
+    target.feature_layers = ()

@@ -11,13 +11,15 @@ dispatch cost about as much as the weights' reads. The token count N is left sym
 unbacked, so one graph serves every N (1 included: a graph specialised to N = 1 fused its
 reductions differently and broke invariance), and the attention op stays opaque to the compiler,
 so context lengths never reach a guard. On a CPU the code that calls the graph's kernels is
-C++ too (inductor's cpp_wrapper). Compiled code is cached under $SPECDEC_HOME/inductor.
+C++ too (inductor's cpp_wrapper), and once compiled it is called past dynamo's guards
+(models.compiled). Compiled code is cached under $SPECDEC_HOME/inductor.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from specdec.models.compiled import CompiledMethod, tensor_key
 from specdec.models.layers import attention
 
 
@@ -96,21 +98,6 @@ def attention_op(device: torch.device, dtype: torch.dtype):
     return torch.ops.specdec.attend_tokens
 
 
-def compile_graph(fn, device: torch.device):
-    """fn compiled as one graph, cached under $SPECDEC_HOME/inductor. The caller marks its batch
-    dimensions unbacked, so one graph serves every batch."""
-    from specdec.models.default import use_compile_cache
-
-    use_compile_cache()  # where nothing has fixed it yet (load_model sets it first)
-    # no size asserts: ~600 shape checks a call, ~0.4 ms of a 1-token pass. On a CPU the graph's
-    # wrapper is C++: in Python its ~1,000 statements a call (buffers, views, op calls) cost a
-    # 1-token pass ~0.3-0.8 ms of ~5 (by hand). Built apart from the kernels, the wrapper
-    # compiles at -O1: the first compile takes ~45 s rather than ~85 s, for the same speed
-    cpu = device.type == "cpu"
-    options = {"size_asserts": False, "cpp_wrapper": cpu, "cpp_wrapper_build_separate": cpu}
-    return torch.compile(fn, dynamic=False, fullgraph=True, options=options)
-
-
 class TokenPass:
     """`model.token_forward` run eagerly or compiled; call with tokens [N], meta [N, 4] (slot,
     position, row, parent: see TokenKV), rope {kind: (cos, sin) [N, hd]} and the caches."""
@@ -119,11 +106,17 @@ class TokenPass:
         self.compiled = compiled
         w = model.embed.weight
         self.attention = attention_op(w.device, w.dtype)
-        self._fn = compile_graph(model.token_forward, w.device) if compiled else model.token_forward
+        if compiled:
+            # the code depends on the model (its feature layers) and the caches' shapes, not on the
+            # token count (see the module's docstring)
+            self._fn = CompiledMethod(
+                model.token_forward,
+                key=lambda tokens, meta, rope, caches: (model.feature_layers, len(caches),
+                                                        tensor_key(caches[0][0]), tensor_key(caches[-1][1])),
+                unbacked=lambda tokens, meta, rope, caches: (tokens, meta, *(x for cs in rope.values() for x in cs)))
+        else:
+            self._fn = model.token_forward
 
     def __call__(self, tokens: Tensor, meta: Tensor, rope: dict[str, tuple[Tensor, Tensor]],
                  caches: list[tuple[Tensor, Tensor]]) -> Tensor:
-        if self.compiled:  # one graph for every token count (see the module's docstring)
-            for t in (tokens, meta, *(x for cs in rope.values() for x in cs)):
-                torch._dynamo.decorators.mark_unbacked(t, 0)
         return self._fn(tokens, meta, rope, caches)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from specdec.models.draft_head import DraftHead
 from specdec.models.llama import Transformer
-from specdec.models.token_pass import compile_graph
+from specdec.models.compiled import CompiledMethod
 from specdec.protocol import Proposal, ProposeRequest
 from specdec.sampling import draw, logits_to_probs, round_generator
 
@@ -47,17 +47,12 @@ class FeatureHeadProposer:
         compiled = head.head_q8 is not None and getattr(getattr(verifier_model, "token_pass", None), "compiled", False)
         return cls(head, tree_width, compiled)
 
-    def _compiled_step(self):
+    def _compiled_step(self) -> CompiledMethod:
         """The head's step as one compiled graph for any number of rows: eagerly its ~40 small ops
         cost more than its matmuls. Compiled now, at start-up, not in a request: one graph for a
         first step (the verifier's fused features) and one for the later steps."""
-        fn = compile_graph(self.head.step, self.head.head_weight.device)
-
-        def step(feat: Tensor, tok: Tensor):
-            torch._dynamo.decorators.mark_unbacked(feat, 0)
-            torch._dynamo.decorators.mark_unbacked(tok, 0)
-            return fn(feat, tok)
-
+        step = CompiledMethod(self.head.step, key=lambda feat, tok: (feat.dtype, feat.device, feat.shape[1:], tok.dtype),
+                              unbacked=lambda feat, tok: (feat, tok))
         w = self.head.head_weight
         tok = torch.zeros(1, dtype=torch.long, device=w.device)
         for parts in {len(self.head.cfg.feature_layers) + 1, 1}:
