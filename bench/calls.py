@@ -46,7 +46,7 @@ def payload(kind: str) -> list[VerifyRequest]:
     """A verify call's requests: (sequences, K of sampled drafts with their [K, V] q rows)."""
     n, k = KINDS[kind]
     return [VerifyRequest(f"seq-{i}", list(range(300)), list(range(k)), torch.rand(k, VOCAB) if k else None,
-                          SamplingParams(), feature=torch.zeros(DIM)) for i in range(n)]
+                          SamplingParams()) for i in range(n)]
 
 
 @serve.deployment(max_ongoing_requests=16)

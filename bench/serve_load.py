@@ -136,6 +136,7 @@ def round_summary(rounds: list[dict]) -> dict:
             "drafting_round_verify_ms": ms([r["verify_s"] for r in spec]),
             "drafting_round_draft_wait_ms": ms([r["draft_s"] for r in spec]),
             "plain_round_ms_per_step": ms([r["verify_s"] / r["steps"] for r in plain]),
+            "plain_round_pass_ms_per_step": ms([r["passes_s"] / r["steps"] for r in plain]),
             # who drafted: prompt lookup (free, no Drafter call) or the draft model, and how much
             "lookup_drafted": sum(d for r in spec for d, lk in zip(r["drafted"], r["lookup"]) if lk),
             "model_drafted": sum(d for r in spec for d, lk in zip(r["drafted"], r["lookup"]) if not lk),

@@ -17,7 +17,7 @@ class AppArgs(EngineConfig):
     adaptive_options: dict[str, float | int | bool] = Field(default_factory=dict, description="Overrides of adaptive K's settings (arguments of specdec.adaptive.AdaptiveK, e.g. min_gain, first_probe_k).")
     default_proposer: str = Field("draft", description="Proposer used when a request names none: 'draft' (the Drafter), 'ngram' or 'none'.")
     draft_num_threads: int = Field(1, ge=0, description="torch CPU threads per Drafter replica (0 = torch's default).")
-    decode_steps: int = Field(4, ge=1, le=32, description="Plain decoding steps per Verifier call in rounds without drafts: one call's overhead per several tokens.")
+    decode_steps: int = Field(8, ge=1, le=32, description="Plain decoding steps per Verifier call in rounds without drafts: one call's overhead per several tokens (streamed as one chunk).")
     prefill_steps: int = Field(1, ge=1, le=32, description="At most this many plain steps in a round that prefills a new prompt (1: its first token streams right after the prefill).")
     max_queue: int = Field(64, ge=1, description="Requests in flight per ingress replica before new ones get 429.")
     num_shards: int = Field(1, ge=1, description="Sequence groups per ingress; each group sticks to one Drafter and one Verifier replica.")

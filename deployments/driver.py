@@ -277,6 +277,8 @@ class RoundLoop:
                            "accepted": [r.num_accepted for r in results], "steps": max(r.num_passes for r in results),
                            "emitted": [len(r.token_ids) for r in results],
                            "verify_s": round(t_verify, 4), "round_s": round(t_round, 4), "draft_s": round(rnd.t_draft, 4),
+                           # the Verifier's passes inside its call (the rest of verify_s is the call itself)
+                           "passes_s": round(sum(results[0].passes_s or ()), 4),
                            "predicted": rnd.prediction})
 
     def _deliver(self, shard: str, batch: list[Entry], committed: list[tuple[Sequence, Delta]]) -> None:
