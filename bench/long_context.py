@@ -18,6 +18,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from specdec.bench import machine  # noqa: E402
 ROWS = ("llama_cpp", "k0", "default")  # the peer, plain decoding, the shipped default
 
 
@@ -106,7 +108,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     res = measure([int(d) for d in a.depths.split(",")], a.tokens, a.reps, a.threads)
     dest = ROOT / "bench" / "results"
-    meta = {"threads": a.threads, "tokens": a.tokens, "reps": a.reps, "torch": torch.__version__,
+    meta = {"threads": a.threads, "tokens": a.tokens, "reps": a.reps, "torch": torch.__version__, "machine": machine(),
             "prompt": "docs/design.md, first N tokens"}
     (dest / "long-context.json").write_text(json.dumps(meta | {"by_context": res}, indent=1))
     (dest / "long-context.md").write_text(markdown(res))

@@ -14,6 +14,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from specdec.bench import machine  # noqa: E402
+
 
 def profile_pass(runner, tokens: int, reps: int) -> dict:
     """Mean ms per pass, in all and by op (the ten dearest by self CPU time)."""
@@ -52,7 +54,7 @@ def main() -> None:
     maybe_tune(model)
     runner = ModelRunner(model, 2, 1024, prefix_caching=False)
     with torch.no_grad():
-        out = {"dtype": a.dtype, "threads": a.threads, "torch": torch.__version__,
+        out = {"dtype": a.dtype, "threads": a.threads, "torch": torch.__version__, "machine": machine(),
                # the fastest of three profiles: this VM's speed drifts by tens of percent over minutes
                "passes": {t: min((profile_pass(runner, t, a.reps) for _ in range(3)), key=lambda p: p["ms_per_pass"])
                           for t in (1, 5)}}

@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from specdec.bench import machine  # noqa: E402
+
 QUESTIONS = ["Explain how vaccines train the immune system.", "Write a Python function that merges two sorted lists.",
              "List five tips for better sleep.", "Tell a short story about a lighthouse keeper.",
              "What is the difference between TCP and UDP?", "Give three uses of a binary search tree.",
@@ -276,7 +278,7 @@ def main() -> int:
     out = ROOT / "bench" / "results" / f"{a.name or 'serve_load' + ('-tiny' if a.tiny else '')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "summary": summary, "table": lines,
-                               "config": {"overrides": a.set, "max_tokens": a.max_tokens, "reps": a.reps, "one_user_reps": a.one_user_reps,
+                               "config": {"machine": machine(), "overrides": a.set, "max_tokens": a.max_tokens, "reps": a.reps, "one_user_reps": a.one_user_reps,
                                           "requests_per_user": a.requests_per_user, "vary_tokens": a.vary_tokens,
                                           "warmup_reps": a.warmup_reps, "control": a.control,
                                           "in_process_tokens_per_s_reps": engine_runs}}, indent=1))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.bench import machine
 from specdec.sampling import SamplingParams
 
 PROMPTS = Path(__file__).with_name("prompts.json")
@@ -375,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"config": {"max_tokens": max_tokens, "prompts": len(prompts), "threads": a.threads, "quick": a.quick,
                       "verifier": a.verifier, "draft": a.draft, "dtype": a.dtype,
                       "quantized": any(getattr(m, "quantized", False) for m in base.verifier.runner.model.modules()),
-                      "torch": torch.__version__,
+                      "torch": torch.__version__, "machine": machine(),
                       "date": time.strftime("%Y-%m-%d %H:%M")},
            "verify_cost_ms": curve, "draft_step_ms": c_ms, "draft_cost_ratio_c": c_ms / curve[1]}
     out |= tabulate(results, prompts, greedy_rows)
