@@ -3,11 +3,12 @@
 Before every call of a compiled function dynamo checks its guards: ~6,800 of them for the default
 verifier's token pass (every parameter, cache and module attribute it reads), ~0.4 ms of a ~3 ms
 1-token pass (by hand, on an AMD EPYC). Between the passes of a loaded model none of what they
-check changes, except what this code changes on purpose: grad mode, a model's feature layers, and
-the caches it runs on (a new runner). So, as vLLM's compiled models do, once a call has compiled (or
-found) its code, later calls with the same `key` run that code directly: the method's bytecode as
-dynamo rewrote it, which calls the compiled graph. A call with a new key goes through dynamo (its
-guards, a recompile if they fail) and its code is kept for that key.
+check changes, except what this code changes on purpose: grad and inference mode, a model's
+feature layers, and the caches it runs on (a new runner). So, as vLLM's compiled models do, once a
+call has compiled (or found) its code, later calls with the same key run that code directly: the
+method's bytecode as dynamo rewrote it, which calls the compiled graph. A call with a new key goes
+through dynamo (its guards, a recompile if they fail) and its code is kept for that key. A model
+must therefore not be changed after its first compiled call other than through what the key holds.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ class CompiledMethod:
         self._direct: dict[Hashable, types.FunctionType | None] = {}
 
     def __call__(self, *args):
-        k = (torch.is_grad_enabled(), self._key(*args))
+        k = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self._key(*args))
         fn = self._direct.get(k)
         if fn is not None:
             return fn(self._owner, *args)
