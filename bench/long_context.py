@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from specdec.bench import machine  # noqa: E402
+
 ROWS = ("llama_cpp", "k0", "default")  # the peer, plain decoding, the shipped default
 
 

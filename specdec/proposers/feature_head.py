@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from specdec.models.compiled import CompiledMethod
 from specdec.models.draft_head import DraftHead
 from specdec.models.llama import Transformer
-from specdec.models.compiled import CompiledMethod
 from specdec.protocol import Proposal, ProposeRequest
 from specdec.sampling import draw, logits_to_probs, round_generator
 
