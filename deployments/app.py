@@ -12,7 +12,8 @@ from deployments.replicas import Drafter, Verifier
 
 
 def build_app(args: dict) -> Application:
-    """Verifier + Drafter (unless draft is 'none') behind the OpenAI ingress. `serve run` calls
+    """Verifier + Drafter (for a draft model: a draft head runs in the Verifier; none for 'none')
+    behind the OpenAI ingress. `serve run` calls
     it with the config's `args` (exactly one parameter: Serve checks the signature) and applies
     the file's `deployments:` section itself."""
     return build_with_options(args)
@@ -24,7 +25,8 @@ def build_with_options(args: dict | None, deployment_options: dict[str, dict] | 
     a = AppArgs(**(args or {}))
     opts = deployment_options or {}
     kw = a.model_dump()
-    drafter = Drafter.options(**opts.get("Drafter", {})).bind(kw) if a.draft != "none" else None
+    drafter = Drafter.options(**opts.get("Drafter", {})).bind(kw) if a.draft != "none" and not a.draft_in_verifier \
+        else None
     verifier = Verifier.options(**opts.get("Verifier", {})).bind(kw)
     return OpenAIIngress.options(**opts.get("OpenAIIngress", {})).bind(kw, drafter, verifier)
 

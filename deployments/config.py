@@ -15,9 +15,9 @@ class AppArgs(EngineConfig):
     model_name: str = Field("SmolLM2-135M-Instruct", description="Model id clients send as `model`; listed by /v1/models.")
     max_speculative_tokens: int = Field(8, ge=0, le=16, description="Largest K a request may ask for (num_speculative_tokens is the default).")
     adaptive_options: dict[str, float | int | bool] = Field(default_factory=dict, description="Overrides of adaptive K's settings (arguments of specdec.adaptive.AdaptiveK, e.g. min_gain, first_probe_k).")
-    default_proposer: str = Field("draft", description="Proposer used when a request names none: 'draft' (the Drafter), 'ngram' or 'none'.")
-    draft_num_threads: int = Field(1, ge=0, description="torch CPU threads per Drafter replica (0 = torch's default).")
-    decode_steps: int = Field(8, ge=1, le=32, description="Plain decoding steps per Verifier call in rounds without drafts: one call's overhead per several tokens (streamed as one chunk).")
+    default_proposer: str = Field("draft", description="Proposer used when a request names none: 'draft' (the draft head in the Verifier, or the Drafter's draft model), 'ngram' or 'none'.")
+    draft_num_threads: int = Field(1, ge=0, description="torch CPU threads per Drafter replica (0 = torch's default); a draft head has none, it runs in the Verifier.")
+    decode_steps: int = Field(8, ge=1, le=32, description="Passes per Verifier call in rounds whose drafts, if any, the Verifier makes itself (plain steps, or its draft head's drafts verified): one call's overhead per several passes (streamed as one chunk).")
     prefill_steps: int = Field(1, ge=1, le=32, description="At most this many plain steps in a round that prefills a new prompt (1: its first token streams right after the prefill).")
     max_queue: int = Field(64, ge=1, description="Requests in flight per ingress replica before new ones get 429.")
     num_shards: int = Field(1, ge=1, description="Sequence groups per ingress; each group sticks to one Drafter and one Verifier replica.")
@@ -47,6 +47,14 @@ class AppArgs(EngineConfig):
             raise ValueError(f"num_speculative_tokens ({self.num_speculative_tokens}) exceeds "
                              f"max_speculative_tokens ({self.max_speculative_tokens})")
         return self
+
+    @property
+    def draft_in_verifier(self) -> bool:
+        """The draft is a head on the verifier's features (EAGLE-style): it runs in the Verifier
+        replicas, next to those features, and the app has no Drafter."""
+        from specdec.engine import head_dir
+
+        return self.draft != "none" and head_dir(self.draft) is not None
 
     def engine(self) -> EngineConfig:
         """The engine's part, for the model replicas (no progress bars in a replica's log)."""

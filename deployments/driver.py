@@ -87,12 +87,16 @@ class RoundLoop:
         self.adaptive = adaptive
         if adaptive is not None:
             adaptive.multi_step = args.decode_steps > 1  # its plain rounds are then priced by multi-step calls only
+            if adaptive.multi_step and args.draft_in_verifier:
+                adaptive.costs.draft_in_calls()
         self.observe_call = observe_call or (lambda deployment, seconds: None)  # (name, s) per remote call
         # (name, cause, retried) per failed remote call; the ingress points it at its metrics
         self.observe_failure = lambda deployment, cause, retried=False: None
         self._drafter_down_until = 0.0  # after a failure, rounds skip the drafter (K=0) until then
         self._drafter_backoff = 1.0
         self.local = {"ngram": NgramProposer(max_n=args.ngram_max)}  # needs no model: runs right here
+        # a draft head drafts in the Verifier's own calls, before each of their passes
+        self.in_verifier = frozenset({"draft"} if args.draft_in_verifier else ())
         # prompt lookup before the Drafter: a match saves that sequence's draft (and, if every
         # sequence matches, the whole Drafter call)
         self.lookup = lookup_proposer(args.lookup_min_n, args.ngram_max)
@@ -233,7 +237,7 @@ class RoundLoop:
             batch.remove(e)
         if not batch:
             return
-        rnd = Round([e.seq for e in batch], self.proposer_of, self.adaptive, self.lookup)
+        rnd = Round([e.seq for e in batch], self.proposer_of, self.adaptive, self.lookup, self.in_verifier)
         for name, (idx, reqs) in rnd.propose_requests().items():
             if name == "draft":
                 for i in idx:
@@ -253,10 +257,10 @@ class RoundLoop:
         results, t_verify = answer
         self.observe_call("Verifier", t_verify)
         self.rounds += 1
-        self._trace(rnd, results, t_start, t_verify)
         # adaptive K is told what the round cost once the next one starts: the period between
         # rounds counts the ingress's own work too, not just the call
         committed = rnd.commit(results, None)
+        self._trace(rnd, results, t_start, t_verify)
         self._unpriced[shard] = (rnd, t_start, rnd.t_draft)
         self._deliver(shard, batch, committed)
 

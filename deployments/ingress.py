@@ -203,7 +203,7 @@ class OpenAIIngress:
         self.metrics = ServeMetrics(self.args.model_name)
         self.loop = RoundLoop(drafter, verifier, self.args, adaptive, self.metrics.observe_call)
         self.loop.observe_failure = self.metrics.observe_failure
-        self.has_drafter = drafter is not None
+        self.has_drafter = drafter is not None or self.args.draft_in_verifier  # a draft model or head
         self.verifier, self.drafter = verifier, drafter
         self.checked_at = -1e9  # when /health last asked the replicas
         self.up = {"verifier": False, "drafter": False}  # what they answered then

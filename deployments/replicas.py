@@ -121,11 +121,14 @@ class Drafter(_Replica):
 @serve.deployment(name="Verifier", max_ongoing_requests=16)
 class Verifier(_Replica):
     def __init__(self, args: dict):
-        from specdec.engine import build_verifier
+        from specdec.engine import build_proposer, build_verifier
 
         self.args = AppArgs(**args)
         super().__init__(self.args.num_threads)
         self.verifier = self._on_compute(build_verifier, self.args.engine())
+        if self.args.draft_in_verifier:  # the draft head drafts here, next to the features it reads
+            self.verifier.drafter = self._on_compute(build_proposer, self.args.draft, self.args.engine(),
+                                                     self.verifier.runner.model)
         from specdec.models.layouts import describe, maybe_tune
 
         # on the compute thread, with its thread count: kernels are chosen per thread team

@@ -12,6 +12,7 @@ import numpy as np
 
 VERIFY_PRIOR = (0.06, 0.01)  # s per one-pass call = a + b * tokens, until measured
 DRAFT_PRIOR = (0.002, 0.0015)  # s per draft call = a + c * K * B, until measured
+LOCAL_DRAFT_PRIOR = (0.0003, 0.0003)  # ... for drafts made next to the verifier (its draft head): no call
 PLAIN_REFRESH_EVERY = 64  # choices after which a batch size's plain pass is measured afresh
 CURVE_FORGET = 64  # choices after which a verify-curve point not measured since is dropped
 EMA_WEIGHT = 0.3  # weight of a new measurement at its size
@@ -94,15 +95,17 @@ class DraftCost:
         return self.line(k * batch)
 
 
+def verify_prior(tokens: float) -> float:
+    return VERIFY_PRIOR[0] + VERIFY_PRIOR[1] * tokens
+
+
 def curve_cost(points: dict[int, float], x: int, optimistic: bool = False) -> float:
     """Seconds per pass of x tokens, given the passes measured at some sizes: linear between them;
     outside, the prior's shape scaled to the nearest size (a prior that says tokens cost something
     keeps unexplored big passes from looking free). optimistic, past the biggest size: the slope
     of the two biggest (flat if one), what a probe may hope for (on a GPU the curve stays flat far
     past where the prior's CPU-like slope says)."""
-    def prior(t: float) -> float:
-        return VERIFY_PRIOR[0] + VERIFY_PRIOR[1] * t
-
+    prior = verify_prior
     if not points:
         return prior(x)
     if x in points:
@@ -130,6 +133,13 @@ class Costs:
         self.plain: dict[int, float] = {}  # batch -> s per pass of a multi-step plain call (EMA)
         self.plain_seen: dict[int, int] = {}  # batch -> when (counted in choices) it was last measured
         self.draft = DraftCost(*DRAFT_PRIOR)
+        self.drafts_in_calls = False
+
+    def draft_in_calls(self) -> None:
+        """Drafts are made inside multi-step verifier calls (the verifier's own head, before each
+        pass): a draft costs no call, and a pass with drafts is priced from the plain pass at its
+        batch size until one is measured."""
+        self.draft, self.drafts_in_calls = DraftCost(*LOCAL_DRAFT_PRIOR), True
 
     def observe_verify(self, batch: int, tokens: int, seconds: float, steps: int, now: int) -> None:
         """seconds per pass of a call that made `steps` passes (steps > 1: plain decoding steps)."""
@@ -158,6 +168,8 @@ class Costs:
 
     def verify(self, batch: int, tokens: int, optimistic: bool = False) -> float:
         """Seconds per one-pass call (optimistic: read hopefully past the longest pass measured)."""
+        if self.drafts_in_calls and batch not in self.curves and batch in self.plain:
+            return self.plain[batch] * verify_prior(tokens) / verify_prior(batch)
         if batch in self.curves or not self.curves:
             return curve_cost(self.curves.get(batch, {}), tokens, optimistic)
         near = min(self.curves, key=lambda b: abs(b - batch))

@@ -45,6 +45,12 @@ class VerifyRequest:
     # tokens that end the sequence (EOS, stop ids): plain steps stop after sampling one
     stop_ids: tuple[int, ...] = ()
     draft_parents: list[int] | None = None  # a token tree's parents (Proposal.parents); None: a chain
+    # drafts the verifier makes itself before each pass of the call, with its own draft head (an
+    # EAGLE-style head reads the verifier's hidden states: drafting next to them costs no call)
+    self_draft: int = 0
+    feature: Tensor | None = None  # what the verifier's head drafts from first (ProposeRequest.feature)
+    room: int | None = None  # tokens the sequence may still emit: self-drafting passes stop there
+    draft_passes: int | None = None  # how many of the call's passes self-draft (None: all; a probe's: its first)
 
 
 @dataclass
@@ -67,3 +73,7 @@ class VerifyResult:
     logprobs: list[TokenLogprob] | None = None  # [len(token_ids)] when the request's params ask for them
     passes_s: list[float] | None = None  # seconds of each of the call's passes (its first: the verify pass)
     path: list[int] | None = None  # a tree's accepted drafts, by index, root to leaf (a chain's: its first num_accepted)
+    # a self-drafting call's passes: (drafts, accepted, positions drafted) each; num_drafted and
+    # num_accepted are their sums
+    per_pass: list[tuple[int, int, int]] | None = None
+    draft_s: float = 0.0  # seconds the verifier spent drafting with its own head in this call

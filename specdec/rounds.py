@@ -22,7 +22,9 @@ from specdec.sequence import Delta, Sequence
 
 class Round:
     def __init__(self, batch: list[Sequence], proposer_of: dict[str, str | None], adaptive: AdaptiveK | None,
-                 lookup: NgramProposer | None = None):
+                 lookup: NgramProposer | None = None, in_verifier: frozenset[str] = frozenset()):
+        """in_verifier: proposers that live in the verifier (its own draft head): their sequences'
+        drafts are made there, before each pass of the call (VerifyRequest.self_draft)."""
         self.batch = batch
         self.adaptive = adaptive
         self.proposer_of = proposer_of
@@ -49,9 +51,16 @@ class Round:
         for i, (x, k) in enumerate(zip(self.looked_up, self.ks)):
             if self.is_lookup[i]:
                 self.drafts[i] = Proposal(x[:k], None)  # one-hot q at the copied tokens
+        # drafted in the verifier's call, before each pass; then every call runs several passes (a
+        # prompt-lookup copy is verified in the first, plain steps follow)
+        self.drafts_in_calls = bool(in_verifier)
+        self.self_drafted = [k > 0 and not m and proposer_of.get(s.seq_id) in in_verifier
+                             for s, k, m in zip(batch, self.ks, self.is_lookup)]
         self.t_draft = 0.0
         self._cost_sample: tuple[int, int, int] | None = None  # (batch, tokens in pass, passes), set by commit
         self._passes_s: list[float] | None = None  # a ridden-along call's pass times (commit)
+        self._call_passes_s: list[float] = []  # the verifier call's pass times (commit)
+        self._steps_asked = 1  # passes the call was asked for (verify_requests)
         self.t_committed = 0.0
 
     def _choose(self, adaptive: AdaptiveK, budgets: list[int]) -> list[int]:
@@ -71,7 +80,7 @@ class Round:
         """Requests per proposer name: (batch indices, requests)."""
         groups: dict[str, tuple[list[int], list[ProposeRequest]]] = {}
         for i, (s, k) in enumerate(zip(self.batch, self.ks)):
-            if k > 0 and not self.is_lookup[i]:
+            if k > 0 and not self.is_lookup[i] and not self.self_drafted[i]:
                 idx, reqs = groups.setdefault(self.proposer_of[s.seq_id], ([], []))
                 idx.append(i)
                 reqs.append(ProposeRequest(s.seq_id, list(s.tokens), k, s.params, s.feature))
@@ -102,52 +111,92 @@ class Round:
             self.adaptive.observe_draft(len(idx), k, seconds)
 
     def verify_requests(self, decode_steps: int = 1, prefill_steps: int | None = None) -> list[VerifyRequest]:
-        """decode_steps > 1: if no sequence has drafts this round (or a probe rides along), ask
-        for that many plain decoding steps in the one verifier call (each capped by what its
-        sequence may emit). prefill_steps: at most that many in a round that prefills a prompt (a
-        remote verifier's call streams nothing until it returns: 1 sends a new request's first
-        token right after its prefill)."""
+        """decode_steps > 1: ask for that many passes in the one verifier call where no sequence
+        needs new drafts from here after its first pass: plain steps, a probe riding along, or
+        sequences whose later drafts the verifier makes itself (each capped by what its sequence
+        may emit). prefill_steps: at most that many in a round that prefills a prompt (a remote
+        verifier's call streams nothing until it returns: 1 sends a new request's first token
+        right after its prefill)."""
         drafting = any(d.token_ids for d in self.drafts)
-        steps = decode_steps if not drafting or self.ride_along else 1
+        steps = decode_steps if not drafting or self.ride_along or self.drafts_in_calls else 1
         if self.prefill_verify and prefill_steps is not None:
             steps = min(steps, prefill_steps)
+        self._steps_asked = steps
         # what a sequence emits (accepted drafts, their recovered or bonus token, then plain
         # steps) stays within what it may: a draft budget leaves room for one more token
         return [VerifyRequest(s.seq_id, list(s.tokens), d.token_ids, d.probs, s.params,
                               max(1, min(steps, s.room() - depth(d))), stop_ids=tuple(s.stop_ids),
-                              draft_parents=d.parents)
-                for s, d in zip(self.batch, self.drafts)]
+                              draft_parents=d.parents, room=s.room())
+                if not own else
+                VerifyRequest(s.seq_id, list(s.tokens), [], None, s.params, steps, stop_ids=tuple(s.stop_ids),
+                              self_draft=k, feature=s.feature, room=s.room(), draft_passes=1 if self.ride_along else None)
+                for s, d, k, own in zip(self.batch, self.drafts, self.ks, self.self_drafted)]
 
     def commit(self, results: list[VerifyResult], verify_seconds: float | None) -> list[tuple[Sequence, Delta]]:
         """verify_seconds None: the round's cost is observed later, by observe_cost (Serve: once
         the next round starts, so that what the ingress does between rounds is counted too)."""
-        # a multi-step call is observed per pass, and apart from one-pass calls
+        passes = max(r.num_passes for r in results)
+        # a multi-step call is observed per pass, and apart from one-pass calls (a self-drafting
+        # call's passes are priced as one-pass calls are: by the tokens in each)
         self._cost_sample = None if self.prefill_verify else \
-            (len(results), sum(r.num_drafted + 1 for r in results), max(r.num_passes for r in results))
+            (len(results), sum(r.num_drafted + 1 for r in results) if not any(self.self_drafted) else
+             len(results) + sum(self.ks), passes)
         # a probe that rode along: its verify pass is what is learned ([] if the times are unknown)
         self._passes_s = next((r.passes_s for r in results if r.passes_s), []) if self._cost_sample and \
-            self._cost_sample[2] > 1 and any(r.num_drafted for r in results) else None
+            passes > 1 and any(r.num_drafted for r in results) and (self.ride_along or not any(self.self_drafted)) \
+            else None
+        self._call_passes_s = next((r.passes_s for r in results if r.passes_s), [])
+        self.t_draft += max(r.draft_s for r in results)
         if self.adaptive is not None:
+            self._observe_own_drafts(results, passes)
             if verify_seconds is not None:
                 self.observe_cost(verify_seconds)
-            self.adaptive.observe_round([(depth(d), r.num_accepted) for d, r in zip(self.drafts, results)],
-                                        self.is_lookup, self.first_draft, self.prediction)
+            for j, (drafted_accepted, looked_up, first) in enumerate(self._per_pass(results)):
+                self.adaptive.observe_round(drafted_accepted, looked_up, first, self.prediction if j == 0 else None)
             self.adaptive.confidence.observe(self.drafts, results, [s.params.greedy for s in self.batch])
         out = [(s, s.commit(r, m, depth(d) if d.parents is not None else None))
                for s, r, m, d in zip(self.batch, results, self.is_lookup, self.drafts)]
         self.t_committed = time.perf_counter()
         return out
 
+    def _observe_own_drafts(self, results: list[VerifyResult], passes: int) -> None:
+        """What the verifier's own drafting cost per pass (its head keeps no state: a sequence's
+        first draft costs what the others do)."""
+        own = [i for i, x in enumerate(self.self_drafted) if x]
+        drafting = sum(1 for d, _, _ in results[own[0]].per_pass or () if d) if own else 0
+        if drafting and results[own[0]].draft_s:
+            self.adaptive.observe_draft(len(own), max(self.ks[i] for i in own), results[own[0]].draft_s / drafting)
+
+    def _per_pass(self, results: list[VerifyResult]):
+        """Each pass of the call as a verified round: (drafts, accepted) of its sequences, their
+        lookup and first-draft flags."""
+        each = [[(pos, n) for _, n, pos in r.per_pass] if r.per_pass else [(depth(d), r.num_accepted)]
+                for r, d in zip(results, self.drafts)]
+        for j in range(max(map(len, each))):
+            rows = [i for i, e in enumerate(each) if j < len(e)]
+            yield ([each[i][j] for i in rows], [self.is_lookup[i] and j == 0 for i in rows],
+                   [self.first_draft[i] and j == 0 for i in rows])
+
     def observe_cost(self, seconds: float) -> None:
         """What the committed round's verifier call cost, drafts apart."""
-        if self.adaptive is not None and self._cost_sample is not None:
-            batch, tokens, n = self._cost_sample
-            if self._passes_s is not None:
-                if not self._passes_s:
-                    return
-                # a verify pass then plain steps in one call: learned as the one-pass call it would
-                # have been, the pass and the call's overhead (its plain steps say nothing new)
-                seconds, n = self._passes_s[0] + max(0.0, seconds - sum(self._passes_s)), 1
+        if self.adaptive is None or self._cost_sample is None:
+            return
+        batch, tokens, n = self._cost_sample
+        passes = self._call_passes_s
+        if self._passes_s is not None:
+            if not self._passes_s:
+                return
+            # a verify pass then plain steps in one call: learned as the one-pass call it would
+            # have been, the pass and the call's overhead (its plain steps say nothing new); where
+            # drafting calls are multi-step too, as one pass of such a call
+            share = self._steps_asked if self.drafts_in_calls else 1
+            self.adaptive.observe_verify(batch, tokens, self._passes_s[0] + max(0.0, seconds - sum(self._passes_s)) / share)
+        elif self._steps_asked > 1 and passes:
+            # per pass of the full call it was asked to be: a call cut short (its sequence ended)
+            # shares its overhead among fewer passes, and priced so it would mark its K down for good
+            per_pass = sum(passes) / len(passes) + max(0.0, seconds - sum(passes)) / self._steps_asked
+            self.adaptive.observe_verify(batch, tokens, per_pass, 1 if any(self.self_drafted) else self._steps_asked)
+        else:
             self.adaptive.observe_verify(batch, tokens, seconds / n, n)
 
 

@@ -71,7 +71,12 @@ class Sequence:
     def commit(self, result: VerifyResult, lookup: bool = False, positions: int | None = None) -> Delta:
         """lookup: the round's drafts were copied by prompt lookup (counted apart in metrics);
         positions: a token tree's depth (None: a chain)."""
-        self.metrics.record_round(result.num_drafted, result.num_accepted, result.num_passes, lookup, positions)
+        if result.per_pass:  # a self-drafting call: a round per pass
+            for j, (drafted, accepted, depth) in enumerate(result.per_pass):  # a lookup copy: in its first only
+                self.metrics.record_round(drafted, accepted, 1, lookup and j == 0, depth)
+            self.metrics.num_verifier_passes += result.num_passes - len(result.per_pass)
+        else:
+            self.metrics.record_round(result.num_drafted, result.num_accepted, result.num_passes, lookup, positions)
         new: list[int] = []
         for tok in result.token_ids:
             if tok in self.stop_ids:

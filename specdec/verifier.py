@@ -2,6 +2,7 @@
 then any further plain decoding steps the call asked for (multi-step scheduling)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -9,11 +10,17 @@ from collections import deque
 import torch
 from torch import Tensor
 
+from specdec.models.layers import node_depths
 from specdec.models.runner import ModelRunner
-from specdec.protocol import TokenLogprob, VerifyRequest, VerifyResult
+from specdec.protocol import ProposeRequest, TokenLogprob, VerifyRequest, VerifyResult
 from specdec.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
 from specdec.sampling import logits_to_probs, round_generator
 from specdec.tree_sampler import greedy_path, sampled_path
+
+
+def _depth(r: VerifyRequest) -> int:
+    """Positions a request's drafts take: a chain's length, a token tree's depth."""
+    return len(r.draft_token_ids) if r.draft_parents is None else max(node_depths(r.draft_parents), default=-1) + 1
 
 
 def token_logprobs(logits: Tensor, token_ids: list[int], n: int) -> list[TokenLogprob]:
@@ -43,8 +50,11 @@ def _targets(requests: list[VerifyRequest], ks: list[int], logits: Tensor) -> Te
 
 
 class Verifier:
-    def __init__(self, runner: ModelRunner, history: int = 4096):
+    def __init__(self, runner: ModelRunner, history: int = 4096, drafter=None):
         self.runner = runner
+        # a draft head that lives with the model (its features never leave): drafts for requests
+        # that ask for them (VerifyRequest.self_draft)
+        self.drafter = drafter
         self.batch_sizes: deque[int] = deque(maxlen=history)  # sequences per verifier pass
         self.passes = 0  # verifier forward passes (verify rounds) so far
         self.busy_s = 0.0  # time spent inside verify() and prompt_logprobs()
@@ -78,12 +88,31 @@ class Verifier:
         return out
 
     def _compute(self, requests: list[VerifyRequest]) -> list[VerifyResult]:
-        """One pass over the requests' drafts, then their further plain steps."""
+        """One pass over the requests' drafts, then their further steps: plain decoding, or passes
+        that verify the verifier's own drafts where a request asks for them (self_draft)."""
+        steps, passes_s, draft_s = [r.num_steps for r in requests], [], [0.0]
+        drafted = self._own_drafts(requests, draft_s)
+        results = self._pass(drafted, passes_s)
+        if any(r.self_draft for r in requests):
+            for res, r in zip(results, drafted):
+                res.per_pass = [(res.num_drafted, res.num_accepted, _depth(r))]
+            self._draft_more(requests, results, steps, passes_s, draft_s)
+        elif max(steps) > 1:
+            for r, res in zip(requests, results):
+                if res.num_drafted:  # continue after the accepted drafts: the rejected ones' rows get overwritten
+                    self.runner.truncate(r.seq_id, len(r.tokens) + len(res.token_ids) - 1)
+            self._decode_more(requests, results, steps, passes_s)
+        for res in results:
+            res.passes_s, res.draft_s = passes_s, draft_s[0]
+        return results
+
+    def _pass(self, requests: list[VerifyRequest], passes_s: list[float]) -> list[VerifyResult]:
+        """One forward pass over each request's last token and drafts, then rejection sampling."""
         ids = [r.seq_id for r in requests]
         ks = [len(r.draft_token_ids) for r in requests]
-        steps = [r.num_steps for r in requests]
-        # positions written at most: the last token and K drafts, or K accepted + the steps after
-        last = self.runner.catch_up(ids, [r.tokens for r in requests], [k + n for k, n in zip(ks, steps)])
+        # positions written at most: the last token and K drafts, or K accepted + the plain steps after
+        last = self.runner.catch_up(ids, [r.tokens for r in requests],
+                                    [k + (1 if r.self_draft else r.num_steps) for k, r in zip(ks, requests)])
         t_pass = time.perf_counter()
         inputs = [[t] + r.draft_token_ids for t, r in zip(last, requests)]  # [B, K_i + 1] ragged
         trees = [None if r.draft_parents is None else [-1] + [p + 1 for p in r.draft_parents] for r in requests]
@@ -108,15 +137,52 @@ class Verifier:
                 results[b].logprobs = token_logprobs(logits[rows[b]], toks[b], requests[b].params.logprobs)
         self.passes += 1
         self.batch_sizes.append(len(requests))
-        passes_s = [time.perf_counter() - t_pass]
-        if max(steps) > 1:
-            for r, k, res in zip(requests, ks, results):
-                if k:  # continue after the accepted drafts: the rejected ones' rows get overwritten
-                    self.runner.truncate(r.seq_id, len(r.tokens) + len(res.token_ids) - 1)
-            self._decode_more(requests, results, steps, passes_s)
-        for res in results:
-            res.passes_s = passes_s
+        passes_s.append(time.perf_counter() - t_pass)
         return results
+
+    def _own_drafts(self, requests: list[VerifyRequest], draft_s: list[float]) -> list[VerifyRequest]:
+        """The requests with the drafts of the verifier's own head where they ask for them (and
+        carry no drafts of their own): a sequence without a feature yet gets none."""
+        asks = [i for i, r in enumerate(requests) if r.self_draft and not r.draft_token_ids and r.feature is not None]
+        if not asks or self.drafter is None:
+            return requests
+        t0 = time.perf_counter()
+        props = self.drafter.propose([ProposeRequest(requests[i].seq_id, requests[i].tokens, requests[i].self_draft,
+                                                     requests[i].params, requests[i].feature) for i in asks])
+        draft_s[0] += time.perf_counter() - t0
+        out = list(requests)
+        for i, p in zip(asks, props):
+            out[i] = dataclasses.replace(requests[i], draft_token_ids=p.token_ids, draft_probs=p.probs,
+                                         draft_parents=p.parents)
+        return out
+
+    def _draft_more(self, requests: list[VerifyRequest], results: list[VerifyResult], steps: list[int],
+                    passes_s: list[float], draft_s: list[float]) -> None:
+        """Passes 2..num_steps of a self-drafting call: each request drafts again from where its
+        last pass left it, as many as it may still emit allow, and one pass verifies them all."""
+        for step in range(1, max(steps)):
+            left = [(r.room if r.room is not None else r.num_steps) - len(res.token_ids)
+                    for r, res in zip(requests, results)]
+            idx = [b for b, r in enumerate(requests) if steps[b] > step and left[b] > 0
+                   and not any(t in r.stop_ids for t in results[b].token_ids)]
+            if not idx:
+                break
+            sub = [dataclasses.replace(requests[b], tokens=requests[b].tokens + results[b].token_ids, draft_token_ids=[],
+                                       draft_probs=None, draft_parents=None, feature=results[b].feature,
+                                       self_draft=min(requests[b].self_draft, left[b] - 1)
+                                       if requests[b].draft_passes is None or step < requests[b].draft_passes else 0)
+                   for b in idx]
+            sub = self._own_drafts(sub, draft_s)
+            for b, r, res in zip(idx, sub, self._pass(sub, passes_s)):
+                mine = results[b]
+                mine.token_ids += res.token_ids
+                mine.num_accepted += res.num_accepted
+                mine.num_drafted += res.num_drafted
+                mine.num_passes += 1
+                mine.feature = res.feature
+                mine.per_pass.append((res.num_drafted, res.num_accepted, _depth(r)))
+                if mine.logprobs is not None:
+                    mine.logprobs += res.logprobs
 
     def _verify_sample(self, requests: list[VerifyRequest], ks: list[int], logits: Tensor) -> tuple[list, list]:
         """(emitted tokens, accepted drafts' indices) per request, from its block of K_i + 1 rows:

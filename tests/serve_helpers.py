@@ -49,7 +49,11 @@ def run_app(name: str, route_prefix: str, args_override: dict, config=ROOT / "se
 
     from deployments.app import app_from_config
 
-    app, _ = app_from_config(config, args_override=args_override)
+    from deployments.config import AppArgs
+
+    app, cfg = app_from_config(config, args_override=args_override)
     serve.run(app, name=name, route_prefix=route_prefix)
+    args = AppArgs(**{**(cfg.get("args") or {}), **args_override})
+    has_drafter = args.draft != "none" and not args.draft_in_verifier
     return serve.get_deployment_handle("Verifier", name), serve.get_deployment_handle("Drafter", name) \
-        if args_override.get("draft", "default") != "none" else None
+        if has_drafter else None

@@ -18,9 +18,11 @@ def serve_apps(cfg: dict) -> list[dict]:
 def check_app(app: dict) -> dict[str, dict]:
     module, _, attr = app["import_path"].partition(":")
     assert module == "deployments.app" and attr == "build_app"
-    AppArgs(**app["args"])  # every arg known and valid
+    args = AppArgs(**app["args"])  # every arg known and valid
     deps = {d["name"]: d for d in app["deployments"]}
-    assert set(deps) == {"Drafter", "Verifier", "OpenAIIngress"}
+    # a Drafter pool serves a draft model; a draft head runs in the Verifier replicas
+    drafter = args.draft != "none" and not args.draft_in_verifier
+    assert set(deps) == {"Verifier", "OpenAIIngress"} | ({"Drafter"} if drafter else set())
     return deps
 
 
@@ -41,13 +43,13 @@ def satisfiable(need: dict, nodes: dict[str, dict]) -> list[str]:
 def test_serve_configs_valid(path):
     for app in serve_apps(yaml.safe_load(path.read_text())):
         deps = check_app(app)
-        for name in ("Drafter", "Verifier"):
+        for name in {"Drafter", "Verifier"} & set(deps):
             assert "autoscaling_config" in deps[name] or "num_replicas" in deps[name]
 
 
 def test_local_config_places_pools_on_custom_resources():
     deps = check_app(serve_apps(yaml.safe_load(SERVE_CONFIGS[0].read_text()))[0])
-    assert "small_gpu" in demand(deps["Drafter"]) and "large_gpu" in demand(deps["Verifier"])
+    assert "Drafter" not in deps and "large_gpu" in demand(deps["Verifier"])  # the draft head drafts there
     local = {"this machine": {"CPU": 2, "small_gpu": 1, "large_gpu": 1}}  # what scripts/serve provides
     for d in deps.values():
         assert satisfiable(demand(d), local)

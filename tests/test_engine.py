@@ -195,6 +195,56 @@ def test_multi_step_decoding_equals_single_steps(tiny_target, params):
     assert all(s.metrics.num_verifier_passes == 13 for s in seqs)
 
 
+class Oracle:
+    """Drafts the continuation plain greedy decoding gives, its last draft wrong: some drafts are
+    accepted and some rejected in every pass."""
+
+    name = "oracle"
+
+    def __init__(self):
+        self.full: dict[str, list[int]] = {}  # seq id -> prompt + greedy output
+
+    def propose(self, reqs):
+        from specdec.protocol import Proposal
+
+        out = []
+        for r in reqs:
+            want = self.full[r.seq_id][len(r.tokens) : len(r.tokens) + r.num_speculative_tokens]
+            out.append(Proposal(want[:-1] + [(want[-1] + 1) % 256] if want else [], None))
+        return out
+
+    def free(self, seq_id):
+        pass
+
+
+def test_calls_that_draft_in_the_verifier_emit_plain_greedy_decoding(tiny_target):
+    """Serve with a draft head: the verifier drafts before each pass of a multi-pass call. The
+    output is plain greedy decoding's, each pass is recorded as a round, and no sequence emits
+    past what it may."""
+    from specdec.rounds import Round
+
+    params = SamplingParams(max_tokens=13, ignore_eos=True)
+    prompts = ragged_prompts(5)
+    want = make_engine(tiny_target, k=0).generate(prompts, params)
+    oracle = Oracle()
+    eng = make_engine(tiny_target, k=3, proposer=oracle)
+    eng.verifier.drafter = oracle
+    seqs = [eng.add_request(p, params) for p in prompts]
+    for s, w in zip(seqs, want):
+        oracle.full[s.seq_id] = s.tokens + w.token_ids
+    calls = 0
+    while live := [s for s in seqs if not s.finished]:
+        rnd = Round(live, eng._proposer_of, None, None, frozenset({"oracle"}))
+        rnd.commit(eng.verifier.verify(rnd.verify_requests(decode_steps=4, prefill_steps=1)), 0.0)
+        calls += 1
+    assert [s.output_ids for s in seqs] == [w.token_ids for w in want]
+    m = [s.metrics for s in seqs]
+    assert all(0 < x.num_accepted < x.num_drafted for x in m)
+    # a pass each round: the prefill, then passes of up to 3 tokens (2 drafts accepted, 1 recovered)
+    assert all(5 <= x.num_verifier_passes < 13 for x in m) and calls < 5
+    assert all(x.drafted_per_position[0] >= 3 for x in m)  # each pass recorded as a round
+
+
 def test_a_round_that_prefills_takes_prefill_steps(tiny_target):
     """Serve streams a call's tokens when it returns: the round that prefills a new prompt runs
     one step (its first token goes out after the prefill), later rounds decode_steps, and the

@@ -139,8 +139,9 @@ class FakeDrafter:
 
 def test_a_sequence_the_drafter_raises_on_stops_drafting_alone(verifier):
     drafter = FakeDrafter()
+    # a draft model (a draft head would draft in the Verifier, and no Drafter would be asked)
     loop = RoundLoop(drafter, FakeVerifier(verifier), AppArgs(max_batch_size=8, adaptive=False, decode_steps=1,
-                                                              lookup_min_n=0))
+                                                              lookup_min_n=0, draft="tiny:noise=0.05"))
     failures = []
     loop.observe_failure = lambda deployment, cause, retried=False: failures.append((deployment, cause))
     seqs = [seq("good", k=2), seq("bad", (9, 8, 7), k=2)]

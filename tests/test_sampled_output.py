@@ -71,14 +71,38 @@ def _draft_head(model, draft_vocab: int = 6) -> DraftHead:
     return DraftHead(cfg, torch.randperm(V, generator=g)[:draft_vocab].sort().values).attach(model).eval()
 
 
-KINDS = ["plain", "eagle", "ngram", "draft", "eagle+lookup", "eagle-tree"]
+KINDS = ["plain", "eagle", "ngram", "draft", "eagle+lookup", "eagle-tree", "eagle-in-calls"]
+
+
+class InCalls:
+    """Rounds as Serve runs them with a draft head: the verifier drafts with its own head before
+    each of a call's passes (VerifyRequest.self_draft), several passes a call."""
+
+    def __init__(self, verifier: Verifier, steps: int = 2):
+        self.verifier, self.steps = verifier, steps
+
+    def generate(self, prompts: list, params: list[SamplingParams]):
+        from specdec.engine import completion
+        from specdec.rounds import Round
+        from specdec.sequence import Sequence
+
+        seqs = [Sequence(f"s{i}", list(p), sp, K, 32) for i, (p, sp) in enumerate(zip(prompts, params))]
+        proposer_of = {s.seq_id: "eagle" for s in seqs}
+        while live := [s for s in seqs if not s.finished]:
+            rnd = Round(live, proposer_of, None, None, frozenset({"eagle"}))
+            rnd.commit(self.verifier.verify(rnd.verify_requests(decode_steps=self.steps)), 0.0)
+        return [completion(s) for s in seqs]
 
 
 def build_engine(kind: str, model) -> SpecEngine:
     """'plain' (K = 0), 'eagle' (draft head), 'ngram' (prompt lookup as the proposer: one-hot q),
-    'draft' (draft model), 'eagle+lookup' (prompt lookup where it matches, else the head) or
-    'eagle-tree' (the head's token trees, three children a node)."""
+    'draft' (draft model), 'eagle+lookup' (prompt lookup where it matches, else the head),
+    'eagle-tree' (the head's token trees, three children a node) or 'eagle-in-calls' (the head
+    drafting inside the verifier's multi-pass calls)."""
     verifier = Verifier(_runner(model))  # first: under SPECDEC_TEST_DEVICE this moves the model
+    if kind == "eagle-in-calls":
+        verifier.drafter = FeatureHeadProposer(_draft_head(model))
+        return InCalls(verifier)
     proposer = {"plain": lambda: None,
                 "eagle": lambda: FeatureHeadProposer(_draft_head(model)),
                 "eagle+lookup": lambda: FeatureHeadProposer(_draft_head(model)),
@@ -167,6 +191,7 @@ def test_sampled_output_follows_the_verifier(kind, verifier_model, prompt, exact
 
 @pytest.mark.parametrize("kind,part,broken", [("eagle", "accepted_lengths", _accept_all),
                                               ("eagle", "final_rows", _no_residual),
+                                              ("eagle-in-calls", "accepted_lengths", _accept_all),
                                               ("ngram", "final_rows", _no_residual)])
 def test_same_check_catches_a_broken_sampler(kind, part, broken, verifier_model, prompt, exact, monkeypatch):
     monkeypatch.setattr(rejection_sampler, part, broken)

@@ -1,5 +1,5 @@
 """The Serve app exactly as serve_config.yaml describes it (embedded SmolLM2 + shipped draft head),
-on a local cluster that provides its small_gpu / large_gpu resources."""
+on a local cluster that provides its large_gpu resource."""
 import pytest
 from openai import OpenAI
 
@@ -14,8 +14,8 @@ def test_default_app_streams_with_speculation_stats():
     with serve_cluster() as url:
         run_app("specdec", "/", {"api_keys_env": None})
         status = serve.status().applications["specdec"]
-        assert {n: d.status for n, d in status.deployments.items()} == {
-            "Drafter": "HEALTHY", "Verifier": "HEALTHY", "OpenAIIngress": "HEALTHY"}
+        # the draft head drafts inside the Verifier: no Drafter deployment
+        assert {n: d.status for n, d in status.deployments.items()} == {"Verifier": "HEALTHY", "OpenAIIngress": "HEALTHY"}
         client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         chunks = list(client.chat.completions.create(
             model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Name the capital city of France."}],

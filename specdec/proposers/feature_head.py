@@ -55,8 +55,9 @@ class FeatureHeadProposer:
                               unbacked=lambda feat, tok: (feat, tok))
         w = self.head.head_weight
         tok = torch.zeros(1, dtype=torch.long, device=w.device)
-        for parts in {len(self.head.cfg.feature_layers) + 1, 1}:
-            step(w.new_zeros(1, parts * self.head.cfg.dim), tok)
+        with torch.no_grad():  # as propose runs it: grad mode is part of the compiled code's key
+            for parts in {len(self.head.cfg.feature_layers) + 1, 1}:
+                step(w.new_zeros(1, parts * self.head.cfg.dim), tok)
         return step
 
     def free(self, seq_id: str) -> None:
