@@ -140,7 +140,7 @@ class Round:
         # call's passes are priced as one-pass calls are: by the tokens in each)
         self._cost_sample = None if self.prefill_verify else \
             (len(results), sum(r.num_drafted + 1 for r in results) if not any(self.self_drafted) else
-             len(results) + sum(self.ks), passes)
+             len(results) + round(sum(r.num_drafted for r in results) / passes), passes)  # a mean pass's tokens
         # a probe that rode along: its verify pass is what is learned ([] if the times are unknown)
         self._passes_s = next((r.passes_s for r in results if r.passes_s), []) if self._cost_sample and \
             passes > 1 and any(r.num_drafted for r in results) and (self.ride_along or not any(self.self_drafted)) \

@@ -156,6 +156,16 @@ class Verifier:
                                          draft_parents=p.parents)
         return out
 
+    @staticmethod
+    def _next_k(request: VerifyRequest, result: VerifyResult, left: int) -> int:
+        """Drafts for a call's next pass: at most one past the run its last pass accepted (no
+        round between passes re-plans K, and a K chosen on a good stretch would otherwise draft
+        deep for every pass of the call after the stretch ends), within what the sequence may
+        still emit."""
+        if request.draft_passes is not None and len(result.per_pass) >= request.draft_passes:
+            return 0
+        return max(0, min(request.self_draft, result.per_pass[-1][1] + 1, left - 1))
+
     def _draft_more(self, requests: list[VerifyRequest], results: list[VerifyResult], steps: list[int],
                     passes_s: list[float], draft_s: list[float]) -> None:
         """Passes 2..num_steps of a self-drafting call: each request drafts again from where its
@@ -169,8 +179,7 @@ class Verifier:
                 break
             sub = [dataclasses.replace(requests[b], tokens=requests[b].tokens + results[b].token_ids, draft_token_ids=[],
                                        draft_probs=None, draft_parents=None, feature=results[b].feature,
-                                       self_draft=min(requests[b].self_draft, left[b] - 1)
-                                       if requests[b].draft_passes is None or step < requests[b].draft_passes else 0)
+                                       self_draft=self._next_k(requests[b], results[b], left[b]))
                    for b in idx]
             sub = self._own_drafts(sub, draft_s)
             for b, r, res in zip(idx, sub, self._pass(sub, passes_s)):

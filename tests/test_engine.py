@@ -443,3 +443,17 @@ def test_drafts_then_plain_steps_in_one_call_equal_separate_rounds(tiny_target, 
     assert 0 < accepted < drafted  # drafts accepted and rejected, then steps after both
     if params.greedy:
         assert [s.output_ids for s in sa] == [c.token_ids for c in make_engine(tiny_target, k=0).generate(prompts, params)]
+
+
+def test_a_call_drafts_one_past_the_run_its_last_pass_accepted():
+    """No round re-plans K between a call's passes: after a pass that accepted nothing the next
+    drafts one, after a full run one more than it, never past K or what may still be emitted."""
+    from specdec.protocol import VerifyRequest, VerifyResult
+    from specdec.verifier import Verifier
+
+    def next_k(k, accepted, left, draft_passes=None):
+        req = VerifyRequest("s", [1], [], None, SamplingParams(), 8, self_draft=k, draft_passes=draft_passes)
+        return Verifier._next_k(req, VerifyResult([], 0, 0, per_pass=[(k, accepted, k)]), left)
+
+    assert [next_k(6, 0, 99), next_k(6, 2, 99), next_k(6, 6, 99), next_k(6, 6, 4), next_k(2, 2, 99)] == [1, 3, 6, 3, 2]
+    assert next_k(6, 6, 99, draft_passes=1) == 0  # a probe drafts in its first pass only
