@@ -14,7 +14,7 @@ import time
 
 from specdec.adaptive import AdaptiveK
 from specdec.confidence import prune, subset
-from specdec.models.layers import node_depths
+from specdec.models.layers import draft_depth
 from specdec.proposers.ngram import NgramProposer
 from specdec.protocol import Proposal, ProposeRequest, VerifyRequest, VerifyResult
 from specdec.sequence import Delta, Sequence
@@ -141,11 +141,10 @@ class Round:
         self._cost_sample = None if self.prefill_verify else \
             (len(results), sum(r.num_drafted + 1 for r in results) if not any(self.self_drafted) else
              len(results) + round(sum(r.num_drafted for r in results) / passes), passes)  # a mean pass's tokens
-        # a probe that rode along: its verify pass is what is learned ([] if the times are unknown)
-        self._passes_s = next((r.passes_s for r in results if r.passes_s), []) if self._cost_sample and \
-            passes > 1 and any(r.num_drafted for r in results) and (self.ride_along or not any(self.self_drafted)) \
-            else None
         self._call_passes_s = next((r.passes_s for r in results if r.passes_s), [])
+        # a probe that rode along: its verify pass is what is learned ([] if the times are unknown)
+        ride_along = passes > 1 and any(r.num_drafted for r in results) and (self.ride_along or not any(self.self_drafted))
+        self._passes_s = self._call_passes_s if self._cost_sample and ride_along else None
         self.t_draft += max(r.draft_s for r in results)
         if self.adaptive is not None:
             self._observe_own_drafts(results, passes)
@@ -202,7 +201,7 @@ class Round:
 
 def depth(p: Proposal) -> int:
     """Positions a proposal drafts: a chain's length, a token tree's depth."""
-    return len(p.token_ids) if p.parents is None else max(node_depths(p.parents), default=-1) + 1
+    return draft_depth(p.token_ids, p.parents)
 
 
 def timed(fn, *args):

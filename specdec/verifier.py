@@ -10,17 +10,12 @@ from collections import deque
 import torch
 from torch import Tensor
 
-from specdec.models.layers import node_depths
+from specdec.models.layers import draft_depth
 from specdec.models.runner import ModelRunner
 from specdec.protocol import ProposeRequest, TokenLogprob, VerifyRequest, VerifyResult
 from specdec.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
 from specdec.sampling import logits_to_probs, round_generator
 from specdec.tree_sampler import greedy_path, sampled_path
-
-
-def _depth(r: VerifyRequest) -> int:
-    """Positions a request's drafts take: a chain's length, a token tree's depth."""
-    return len(r.draft_token_ids) if r.draft_parents is None else max(node_depths(r.draft_parents), default=-1) + 1
 
 
 def token_logprobs(logits: Tensor, token_ids: list[int], n: int) -> list[TokenLogprob]:
@@ -95,7 +90,7 @@ class Verifier:
         results = self._pass(drafted, passes_s)
         if any(r.self_draft for r in requests):
             for res, r in zip(results, drafted):
-                res.per_pass = [(res.num_drafted, res.num_accepted, _depth(r))]
+                res.per_pass = [(res.num_drafted, res.num_accepted, draft_depth(r.draft_token_ids, r.draft_parents))]
             self._draft_more(requests, results, steps, passes_s, draft_s)
         elif max(steps) > 1:
             for r, res in zip(requests, results):
@@ -189,7 +184,7 @@ class Verifier:
                 mine.num_drafted += res.num_drafted
                 mine.num_passes += 1
                 mine.feature = res.feature
-                mine.per_pass.append((res.num_drafted, res.num_accepted, _depth(r)))
+                mine.per_pass.append((res.num_drafted, res.num_accepted, draft_depth(r.draft_token_ids, r.draft_parents)))
                 if mine.logprobs is not None:
                     mine.logprobs += res.logprobs
 

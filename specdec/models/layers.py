@@ -223,6 +223,11 @@ def node_depths(parents: list[int]) -> list[int]:
     return d
 
 
+def draft_depth(token_ids: list[int], parents: list[int] | None) -> int:
+    """Positions drafts take: a chain's length, a token tree's depth (parents None: a chain)."""
+    return len(token_ids) if parents is None else max(node_depths(parents), default=-1) + 1
+
+
 def _parents(trees: list[list[int] | None] | None, valid: Tensor) -> Tensor:
     """[B, T] each input's parent among its sequence's inputs (-1: none; padding -1)."""
     par = torch.where(valid, torch.arange(valid.shape[1]) - 1, -1)  # chains: the input before
