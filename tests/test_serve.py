@@ -26,16 +26,17 @@ CHAT = [{"role": "user", "content": "Tell me about speculative decoding."}]
 def server(tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(f"{KEY}\nsk-other\n")
-    # three apps: a model replica asks for half a small_gpu or large_gpu
-    with serve_cluster(resources={"small_gpu": 2, "large_gpu": 2}) as url:
+    # five apps: a model replica asks for half a small_gpu or large_gpu
+    with serve_cluster(resources={"small_gpu": 2, "large_gpu": 3}) as url:
         verifier, drafter = run_app("specdec", "/", {**TINY, "api_keys_file": str(keys)})
         # one decoding step per call keeps a 200-token request well over its 0.5 s timeout
         run_app("limited", "/limited", {**TINY, "draft": "none", "rate_limit": "4/minute", "decode_steps": 1,
                                         "request_timeout_s": 0.5, "api_keys_env": None})
         run_app("shipped", "/shipped", {**MODELS, "api_keys_env": None})
-        # the draft head's token trees, three children a node, travelling Drafter -> Verifier
-        run_app("tree", "/tree", {**TINY, "draft": str(tiny_head_dir(tmp_path_factory.mktemp("head"))),
-                                  "draft_tree_width": 3, "api_keys_env": None})
+        # a draft head: it drafts in the Verifier's calls, chains, and token trees of three children a node
+        head = str(tiny_head_dir(tmp_path_factory.mktemp("head")))
+        run_app("head", "/head", {**TINY, "draft": head, "api_keys_env": None})
+        run_app("tree", "/tree", {**TINY, "draft": head, "draft_tree_width": 3, "api_keys_env": None})
         yield {"url": url, "verifier": verifier, "drafter": drafter}
 
 
@@ -101,6 +102,24 @@ def test_token_trees_through_serve_keep_the_greedy_output(server, reference):
     assert r.json()["choices"][0]["message"]["content"] == greedy(reference, CHAT).text
     spec = r.json()["usage"]["speculative"]
     assert spec["num_drafted"] > 3 * spec["num_verifier_passes"]  # trees: several drafts a depth
+
+
+def test_a_draft_head_drafts_inside_the_verifiers_calls(server, reference):
+    """The head app has no Drafter: the Verifier drafts before each pass of its calls. Greedy
+    output is the engine's, every token has its logprobs, and a seed fixes sampled output."""
+    from ray import serve
+
+    assert "Drafter" not in serve.status().applications["head"].deployments
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 40, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    r = post(server, "/v1/chat/completions", body, key=None, prefix="/head").json()
+    assert r["choices"][0]["message"]["content"] == greedy(reference, CHAT).text
+    assert len(r["choices"][0]["logprobs"]["content"]) == r["usage"]["completion_tokens"] == 40
+    spec = r["usage"]["speculative"]
+    assert spec["num_drafted"] > spec["num_verifier_passes"] > 1  # K drafts in the passes after the prefill
+    sampled = {**body, "temperature": 0.8, "seed": 3}
+    texts = [post(server, "/v1/chat/completions", sampled, key=None, prefix="/head").json()["choices"][0]["message"]
+             ["content"] for _ in range(2)]
+    assert texts[0] == texts[1]
 
 
 def test_a_draft_call_after_its_sequence_ended_drafts_and_caches_nothing():
