@@ -2,8 +2,9 @@
 
 Each shard (a group of sequences that sticks to one drafter and one verifier replica, routed as
 a Serve multiplexed id) runs its own loop: every round takes the shard's active sequences (up to
-max_batch_size), asks the Drafter for all of their proposals in one call, asks the Verifier to
-check all of them in one pass, and commits. Users join and leave between rounds, so a lone user never waits for a batch to fill. The loop
+max_batch_size), asks the Drafter for all of their proposals in one call (a draft model; a draft
+head drafts inside the Verifier's call), asks the Verifier to check all of them (in one pass, or
+several where no Drafter drafts), and commits. Users join and leave between rounds, so a lone user never waits for a batch to fill. The loop
 holds the authoritative token lists; replicas only cache, so a failed or replaced replica costs
 a recompute, never a token.
 

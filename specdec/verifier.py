@@ -1,5 +1,7 @@
 """The verifier: one batched forward pass over every sequence's proposals, then rejection sampling,
-then any further plain decoding steps the call asked for (multi-step scheduling)."""
+then any further passes the call asked for (multi-step scheduling): plain decoding steps, or passes
+over drafts its own draft head makes before each (an EAGLE-style head drafts next to the hidden
+states it reads)."""
 from __future__ import annotations
 
 import dataclasses
