@@ -159,4 +159,5 @@ class Verifier(_Replica):
         v = self.verifier
         return {**self.where(), "passes": v.passes, "batch_sizes": list(v.batch_sizes), "busy_s": v.busy_s,
                 "resident_sequences": sorted(v.runner.slots), "evictions": v.runner.evictions, "layouts": self.layouts,
-                "prefix_hits": v.runner.prefix_hits, "prefix_tokens_reused": v.runner.prefix_tokens_reused}
+                "prefix_hits": v.runner.prefix_hits, "prefix_tokens_reused": v.runner.prefix_tokens_reused,
+                "draft_failures": v.draft_failures}

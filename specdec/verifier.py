@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections import deque
 
@@ -18,6 +19,8 @@ from specdec.protocol import ProposeRequest, TokenLogprob, VerifyRequest, Verify
 from specdec.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
 from specdec.sampling import logits_to_probs, round_generator
 from specdec.tree_sampler import greedy_path, sampled_path
+
+log = logging.getLogger(__name__)
 
 
 def token_logprobs(logits: Tensor, token_ids: list[int], n: int) -> list[TokenLogprob]:
@@ -52,6 +55,7 @@ class Verifier:
         # a draft head that lives with the model (its features never leave): drafts for requests
         # that ask for them (VerifyRequest.self_draft)
         self.drafter = drafter
+        self.draft_failures = 0  # calls to the draft head that raised (their passes went without drafts)
         self.batch_sizes: deque[int] = deque(maxlen=history)  # sequences per verifier pass
         self.passes = 0  # verifier forward passes (verify rounds) so far
         self.busy_s = 0.0  # time spent inside verify() and prompt_logprobs()
@@ -144,9 +148,15 @@ class Verifier:
         if not asks or self.drafter is None:
             return requests
         t0 = time.perf_counter()
-        props = self.drafter.propose([ProposeRequest(requests[i].seq_id, requests[i].tokens, requests[i].self_draft,
-                                                     requests[i].params, requests[i].feature) for i in asks])
-        draft_s[0] += time.perf_counter() - t0
+        try:
+            props = self.drafter.propose([ProposeRequest(requests[i].seq_id, requests[i].tokens, requests[i].self_draft,
+                                                         requests[i].params, requests[i].feature) for i in asks])
+        except Exception:  # a failing draft costs speed, not a request: the pass goes without drafts
+            self.draft_failures += 1
+            log.warning("the draft head failed; this pass verifies no drafts", exc_info=True)
+            return requests
+        finally:
+            draft_s[0] += time.perf_counter() - t0
         out = list(requests)
         for i, p in zip(asks, props):
             out[i] = dataclasses.replace(requests[i], draft_token_ids=p.token_ids, draft_probs=p.probs,

@@ -445,6 +445,26 @@ def test_drafts_then_plain_steps_in_one_call_equal_separate_rounds(tiny_target, 
         assert [s.output_ids for s in sa] == [c.token_ids for c in make_engine(tiny_target, k=0).generate(prompts, params)]
 
 
+def test_a_draft_head_that_raises_costs_its_passes_their_drafts_not_the_request(tiny_target):
+    from specdec.rounds import Round
+
+    class Broken(Oracle):
+        def propose(self, reqs):
+            raise RuntimeError("head down")
+
+    params = SamplingParams(max_tokens=9, ignore_eos=True)
+    want = make_engine(tiny_target, k=0).generate(ragged_prompts(2), params)
+    broken = Broken()
+    eng = make_engine(tiny_target, k=3, proposer=broken)
+    eng.verifier.drafter = broken
+    seqs = [eng.add_request(p, params) for p in ragged_prompts(2)]
+    while live := [s for s in seqs if not s.finished]:
+        rnd = Round(live, eng._proposer_of, None, None, frozenset({"oracle"}))
+        rnd.commit(eng.verifier.verify(rnd.verify_requests(decode_steps=4, prefill_steps=1)), 0.0)
+    assert [s.output_ids for s in seqs] == [w.token_ids for w in want]
+    assert eng.verifier.draft_failures > 0 and all(s.metrics.num_drafted == 0 for s in seqs)
+
+
 def test_a_call_drafts_one_past_the_run_its_last_pass_accepted():
     """No round re-plans K between a call's passes: after a pass that accepted nothing the next
     drafts one, after a full run one more than it, never past K or what may still be emitted."""
