@@ -124,12 +124,11 @@ class Round:
         self._steps_asked = steps
         # what a sequence emits (accepted drafts, their recovered or bonus token, then plain
         # steps) stays within what it may: a draft budget leaves room for one more token
+        # (a sequence the verifier drafts for has no drafts here: its passes are capped the same way)
         return [VerifyRequest(s.seq_id, list(s.tokens), d.token_ids, d.probs, s.params,
                               max(1, min(steps, s.room() - depth(d))), stop_ids=tuple(s.stop_ids),
-                              draft_parents=d.parents, room=s.room())
-                if not own else
-                VerifyRequest(s.seq_id, list(s.tokens), [], None, s.params, steps, stop_ids=tuple(s.stop_ids),
-                              self_draft=k, feature=s.feature, room=s.room(), draft_passes=1 if self.ride_along else None)
+                              draft_parents=d.parents, self_draft=k if own else 0, feature=s.feature if own else None,
+                              room=s.room(), draft_passes=1 if own and self.ride_along else None)
                 for s, d, k, own in zip(self.batch, self.drafts, self.ks, self.self_drafted)]
 
     def commit(self, results: list[VerifyResult], verify_seconds: float | None) -> list[tuple[Sequence, Delta]]:
