@@ -45,12 +45,12 @@ class Acceptance:
     drafted token, so long stretches at K = 0 do not drift it back to the prior."""
 
     def __init__(self, k_max: int):
-        self.drafted: float = 0.0  # drafts verified, decayed
+        self.judged: float = 0.0  # drafts the verifier reached (up to each round's first rejection), decayed
         self.accepted: float = 0.0  # of those, accepted by the verifier, decayed
         self.tried, self.hit = [0.0] * k_max, [0.0] * k_max  # per position: drafts reached, accepted
 
     def overall(self) -> float:
-        return (self.accepted + ACCEPTANCE_PRIOR * 8) / (self.drafted + 8)
+        return (self.accepted + ACCEPTANCE_PRIOR * 8) / (self.judged + 8)
 
     def positions(self) -> list[float]:
         """a_1..a_k_max; a position with little data leans on the one before it."""
@@ -60,10 +60,12 @@ class Acceptance:
             out.append(prev)
         return out
 
-    def of_sequence(self, num_accepted: int, num_drafted: int, towards: float | None = None) -> float:
-        """A sequence's estimate, shrunk towards `towards` (default: overall) while it has few drafts."""
+    def of_sequence(self, num_accepted: int, num_judged: int, towards: float | None = None) -> float:
+        """A sequence's estimate, shrunk towards `towards` (default: overall) while it has few
+        drafts judged. A draft after a rejected one is not judged: counted, a probe of K drafts
+        rejected at its first would mark its request down K times for one miss."""
         base = self.overall() if towards is None else towards
-        return (num_accepted + base * PRIOR_WEIGHT) / (num_drafted + PRIOR_WEIGHT)
+        return (num_accepted + base * PRIOR_WEIGHT) / (num_judged + PRIOR_WEIGHT)
 
     def gains(self, seq_acceptance: float) -> list[float]:
         """E(k) for k = 0..k_max: the positions' acceptances scaled by the sequence's record."""
@@ -74,9 +76,9 @@ class Acceptance:
         return e
 
     def observe(self, drafted_accepted: list[tuple[int, int]]) -> None:
-        num_drafted = sum(k for k, _ in drafted_accepted)
-        d = ACCEPTANCE_DECAY ** num_drafted
-        self.drafted = d * self.drafted + num_drafted
+        num_judged = sum(min(n + 1, k) for k, n in drafted_accepted)
+        d = ACCEPTANCE_DECAY ** num_judged
+        self.judged = d * self.judged + num_judged
         self.accepted = d * self.accepted + sum(n for _, n in drafted_accepted)
         self.tried, self.hit = [d * t for t in self.tried], [d * h for h in self.hit]
         for k, n in drafted_accepted:
@@ -230,9 +232,9 @@ class AdaptiveK:
     def global_acceptance(self) -> float:
         return self.model.overall()
 
-    def acceptance(self, num_accepted: int, num_drafted: int) -> float:
+    def acceptance(self, num_accepted: int, num_judged: int) -> float:
         """A sequence's model-draft acceptance: its record, shrunk towards what first rounds accept."""
-        return self.model.of_sequence(num_accepted, num_drafted, self.first.overall() if self.first.drafted else None)
+        return self.model.of_sequence(num_accepted, num_judged, self.first.overall() if self.first.judged else None)
 
     def calibration(self, batch: int) -> float:
         """Accepted over predicted model drafts at this batch size, at most 1: a choice drafts where

@@ -14,6 +14,8 @@ class SpecMetrics:
     num_accepted: int = 0  # draft tokens the verifier accepted
     num_lookup_drafted: int = 0  # of num_drafted: copied by prompt lookup (the rest: the draft model)
     num_lookup_accepted: int = 0  # of num_accepted: lookup drafts accepted
+    num_judged: int = 0  # positions the verifier reached: accepted ones and each round's first rejected one
+    num_lookup_judged: int = 0  # of num_judged: in rounds of lookup drafts
     num_verifier_passes: int = 0  # verify rounds this request took part in (= decoding steps)
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: rounds where draft j was accepted
     drafted_per_position: list[int] = field(default_factory=list)  # [j]: rounds that proposed a j-th draft
@@ -25,13 +27,16 @@ class SpecMetrics:
                      positions: int | None = None) -> None:
         """positions: the depth of a token tree (None: a chain, num_drafted deep)."""
         positions = num_drafted if positions is None else positions
+        judged = min(num_accepted + 1, positions)  # a draft after a rejected one says nothing of the draft
         self.num_verifier_passes += num_passes
+        self.num_judged += judged
         self.num_drafted += num_drafted
         self.num_draft_positions += positions
         self.num_accepted += num_accepted
         if lookup:  # the drafts were copied by prompt lookup
             self.num_lookup_drafted += num_drafted
             self.num_lookup_accepted += num_accepted
+            self.num_lookup_judged += judged
         for per, n in ((self.drafted_per_position, positions), (self.accepted_per_position, num_accepted)):
             per.extend([0] * (n - len(per)))
             for j in range(n):
@@ -42,9 +47,8 @@ class SpecMetrics:
         return self.num_drafted - self.num_lookup_drafted
 
     @property
-    def num_model_positions(self) -> int:
-        """Positions the model drafted (lookup drafts are chains)."""
-        return self.num_draft_positions - self.num_lookup_drafted
+    def num_model_judged(self) -> int:
+        return self.num_judged - self.num_lookup_judged
 
     @property
     def num_model_accepted(self) -> int:

@@ -65,8 +65,8 @@ class Round:
 
     def _choose(self, adaptive: AdaptiveK, budgets: list[int]) -> list[int]:
         """K per sequence from adaptive K, given each one's record and budget."""
-        acc = [adaptive.acceptance(s.metrics.num_model_accepted, s.metrics.num_model_positions) for s in self.batch]
-        lacc = [adaptive.lookup.of_sequence(s.metrics.num_lookup_accepted, s.metrics.num_lookup_drafted)
+        acc = [adaptive.acceptance(s.metrics.num_model_accepted, s.metrics.num_model_judged) for s in self.batch]
+        lacc = [adaptive.lookup.of_sequence(s.metrics.num_lookup_accepted, s.metrics.num_lookup_judged)
                 for s in self.batch]
         # past its prefill (a draft needs the verifier's feature), never drafted by the model,
         # and with enough left to emit that what its probe shows can still be used

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import make_engine, ragged_prompts
 from specdec.adaptive import PROBE_EVERY, AdaptiveK
+from specdec.metrics import SpecMetrics
 from specdec.adaptive_costs import PLAIN_REFRESH_EVERY, Costs, DraftCost, curve_cost
 from specdec.models.tiny import noisy_copy
 from specdec.sampling import SamplingParams
@@ -203,11 +204,27 @@ def test_a_new_request_is_expected_to_accept_what_first_rounds_did():
     no record of its own leans on what first drafting rounds accepted."""
     ak = AdaptiveK(k_max=8)
     for _ in range(30):  # thirty requests' first rounds: one draft in four accepted
-        ak.observe_round([(2, 1), (2, 0)], first=[True, True])
+        ak.observe_round([(1, 1), (1, 0), (2, 0), (2, 0)], first=[True] * 4)
     for _ in range(40):
         ak.observe_round([(8, 8)])
     assert ak.global_acceptance() > 0.8
     assert ak.acceptance(0, 0) < 0.35 and ak.acceptance(40, 40) > 0.9  # its own record still wins
+
+
+def test_a_draft_after_a_rejected_one_is_not_counted_against_its_request():
+    """The verifier never judges a draft past the first it rejects: a probe of 4 drafts rejected
+    at its first is one miss, for the request's record and for the overall rate."""
+    m = SpecMetrics()
+    m.record_round(4, 0)
+    m.record_round(3, 1)
+    assert (m.num_model_accepted, m.num_model_judged) == (1, 3)
+    m.record_round(2, 2, lookup=True)  # all accepted: both judged, and counted apart as lookup's
+    assert (m.num_model_judged, m.num_lookup_judged) == (3, 2)
+    ak = AdaptiveK(k_max=8)
+    assert ak.acceptance(0, 1) > ak.acceptance(0, 4)
+    for _ in range(20):
+        ak.observe_round([(4, 0), (4, 1)])
+    assert ak.global_acceptance() == pytest.approx((20 + 0.5 * 8) / (60 + 8), rel=0.05)
 
 
 def test_acceptance_does_not_drift_back_to_the_prior_at_k0():

@@ -31,3 +31,11 @@ def test_quick_bench_on_tiny_models(tmp_path):
     assert [int(t) for t in res["verify_cost_ms"]] == list(range(1, 10))
     assert (tmp_path / "smoke.png").stat().st_size > 0 and "| k0 |" in (tmp_path / "smoke.md").read_text()
     assert SUMMARY_KEYS <= set(json.loads(out.read_text()))
+    # the targets table: each goal against the default row, and for the speedups the terms that
+    # multiply back to the row's speedup by totals
+    assert [t["target"] for t in res["targets"]][:2] == ["tokens per pass, greedy", "greedy speedup vs K=0"]
+    terms = res["targets"][1]["terms"]
+    assert terms["speedup"] == pytest.approx(terms["tokens_per_pass"] / (terms["verify"] + terms["rest"]))
+    g = {r["row"]: r for r in res["greedy"]}
+    assert terms["speedup"] == pytest.approx(g["adaptive"]["tokens_per_s"] / g["k0"]["tokens_per_s"], rel=0.02)
+    assert "## Targets" in (tmp_path / "smoke.md").read_text()

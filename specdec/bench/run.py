@@ -165,6 +165,8 @@ def summarize_row(row: str, runs: list[dict], base: list[dict]) -> dict:
             aj = sum(r["accepted_per_position"][j] for r in runs if j < len(r["accepted_per_position"]))
             per.append(aj / dj if dj else 0.0)
         out["acceptance_per_position"] = per
+        out["pass_s"] = {"verifier": sum(r["verifier_s"] for r in runs) / max(p, 1),  # per verifier pass
+                         "rest": (secs - sum(r["verifier_s"] for r in runs)) / max(p, 1)}  # drafting, sampling, bookkeeping
         vs = sum(r["verifier_s"] for r in runs) / max(tokens, 1)
         vb = sum(b["verifier_s"] for b in base) / max(sum(b["tokens"] for b in base), 1)
         out["verifier_time_saving"] = 1 - vs / vb if vb else 0.0
@@ -324,6 +326,57 @@ def tabulate(results: dict, prompts: list[dict], greedy_rows: list[str]) -> dict
     return out
 
 
+# what the default configuration is measured against: tokens per pass, speedups over K=0
+TARGETS = {"tokens_per_pass": 2.2, "greedy": 1.5, "sampled": 1.3, "worst_category": 1.0}
+
+
+def time_terms(row: dict, k0: dict) -> dict | None:
+    """Why a row runs at the speed it does, as three terms of its speedup over K=0 (by totals, so
+    speedup = tokens_per_pass * k0_pass / (verify + rest)): the tokens a pass yields, the
+    verifier's time per pass and the time outside it per pass (drafts, sampling, bookkeeping),
+    both in K=0 passes (K=0's own time outside the verifier is k0_rest)."""
+    if "pass_s" not in row or "pass_s" not in k0:
+        return None
+    t0 = k0["pass_s"]["verifier"] + k0["pass_s"]["rest"]
+    v, o = row["pass_s"]["verifier"] / t0, row["pass_s"]["rest"] / t0
+    n = row["mean_accepted_length"]
+    return {"tokens_per_pass": n, "verify": v, "rest": o, "k0_rest": k0["pass_s"]["rest"] / t0, "speedup": n / (v + o)}
+
+
+def targets(out: dict) -> list[dict]:
+    """Each target against the default (adaptive) row: measured, met, and the tokens per pass it
+    would need at the costs this run measured (how far acceptance must rise)."""
+    g, s = ({r["row"]: r for r in out.get(m, [])} for m in ("greedy", "sampled"))
+    if "adaptive" not in g:
+        return []
+    cats = [v["adaptive"] for v in out["by_category"].values() if "adaptive" in v]
+    rows = [("tokens per pass, greedy", TARGETS["tokens_per_pass"], g["adaptive"].get("mean_accepted_length"), None),
+            ("greedy speedup vs K=0", TARGETS["greedy"], g["adaptive"]["speedup_vs_k0"], time_terms(g["adaptive"], g["k0"])),
+            ("worst category vs K=0", TARGETS["worst_category"], min(cats, default=None), None)]
+    if "adaptive" in s:
+        rows.insert(2, ("sampled speedup vs K=0", TARGETS["sampled"], s["adaptive"]["speedup_vs_k0"],
+                        time_terms(s["adaptive"], s["k0"])))
+    res = []
+    for name, goal, got, terms in rows:
+        if terms:  # at these costs, the tokens a pass must yield to meet the goal
+            terms |= {"tokens_per_pass_for_target": goal * (terms["verify"] + terms["rest"])}
+        res.append({"target": name, "goal": goal, "measured": got, "met": got is not None and got >= goal, "terms": terms})
+    return res
+
+
+def targets_markdown(rows: list[dict]) -> list[str]:
+    md = ["## Targets (the default row; terms in K=0 passes: speedup = tokens/pass / (verify + rest))",
+          "| target | goal | measured | met | tokens/pass | verify | rest (K=0's) | tokens/pass needed |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = r["terms"]
+        cells = [f"{t['tokens_per_pass']:.2f}", f"{t['verify']:.2f}", f"{t['rest']:.2f} ({t['k0_rest']:.2f})",
+                 f"{t['tokens_per_pass_for_target']:.2f}"] if t else ["–"] * 4
+        got = "–" if r["measured"] is None else f"{r['measured']:.2f}"
+        md.append(f"| {r['target']} | {r['goal']:.2f} | {got} | {'yes' if r['met'] else 'no'} | " + " | ".join(cells) + " |")
+    return md
+
+
 def write_results(out: dict, res_dir: Path, name: str, greedy_rows: list[str]) -> list[str]:
     """<name>.json, .md and .png under res_dir; returns the Markdown lines."""
     cfg, curve = out["config"], out["verify_cost_ms"]
@@ -337,6 +390,8 @@ def write_results(out: dict, res_dir: Path, name: str, greedy_rows: list[str]) -
            "| category | " + " | ".join(greedy_rows) + " |", "|---|" + "---|" * len(greedy_rows)]
     md += [f"| {c} | " + " | ".join(f"{v:.2f}" for v in v_by_row.values()) + " |"
            for c, v_by_row in out["by_category"].items()]
+    if out.get("targets"):
+        md += ["", *targets_markdown(out["targets"])]
     md += ["", "Verify cost (ms per pass by tokens in pass): " + ", ".join(f"{t}: {v:.1f}" for t, v in curve.items()),
            f"Draft step: {out['draft_step_ms']:.1f} ms (c = {out['draft_cost_ratio_c']:.3f} of a 1-token verifier pass)",
            f"Run took {cfg['wall_s'] / 60:.1f} min.", "", "Summary: " + json.dumps(out["summary"])]
@@ -380,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                       "date": time.strftime("%Y-%m-%d %H:%M")},
            "verify_cost_ms": curve, "draft_step_ms": c_ms, "draft_cost_ratio_c": c_ms / curve[1]}
     out |= tabulate(results, prompts, greedy_rows)
+    out["targets"] = targets(out)
     out["summary"] = summary(out)
     out["config"]["wall_s"] = time.time() - t_begin  # the whole run, model loading included
     md = write_results(out, Path(a.results_dir), a.name or ("quick" if a.quick else "default"), greedy_rows)
