@@ -116,6 +116,8 @@ class SpecEngine:
         self._proposer_of: dict[str, str | None] = {}
         self._ids = itertools.count()
         self.adaptive = AdaptiveK(k_max=max(self.cfg.num_speculative_tokens, 1)) if self.cfg.adaptive else None
+        if self.adaptive is not None:
+            self.adaptive.costs.local_drafts()  # every proposer here runs in this process
         self.lookup = lookup_proposer(self.cfg.lookup_min_n, self.cfg.ngram_max)
 
     @classmethod

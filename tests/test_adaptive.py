@@ -98,6 +98,15 @@ def test_adaptive_engine_is_lossless(tiny_target):
     assert [g.token_ids for g in got] == [p.token_ids for p in plain]
 
 
+def test_the_in_process_engine_prices_its_drafts_as_local_until_measured(tiny_target):
+    """Its proposers run in its own process: no draft is priced as a remote call's."""
+    from specdec.config import EngineConfig
+    from specdec.engine import SpecEngine
+
+    eng = SpecEngine(make_engine(tiny_target, k=0).verifier, None, None, EngineConfig())
+    assert eng.adaptive.costs.draft(1, 1) < AdaptiveK().costs.draft(1, 1) / 3
+
+
 def test_probes_find_a_draft_that_got_better_and_cost_little_while_it_is_poor():
     """At K=0 the estimates are kept fresh by probes: rare while they find nothing (the draft's
     first guesses all rejected), and once its guesses are accepted the probes find it and
