@@ -269,7 +269,7 @@ def build_rows(a: argparse.Namespace, max_tokens: int) -> "Rows":
     prop = base.proposers[base.default_proposer]
 
     def adaptive(lookup_min_n: int = EngineConfig().lookup_min_n, width: int | None = None) -> SpecEngine:
-        p = prop if width is None else FeatureHeadProposer(prop.head, width)
+        p = prop if width is None else prop.with_width(width)  # its compiled step too
         return SpecEngine(base.verifier, p, base.tokenizer, EngineConfig(lookup_min_n=lookup_min_n), {"ngram": NgramProposer()})
 
     engines = {"adaptive": adaptive(), "adaptive_draft": adaptive(0)}

@@ -11,6 +11,8 @@ each depth (`_trees`). Every draft carries its confidence (the head's probabilit
 by which adaptive speculation keeps only the drafts worth verifying (specdec.confidence)."""
 from __future__ import annotations
 
+import copy
+
 from pathlib import Path
 
 import torch
@@ -46,6 +48,12 @@ class FeatureHeadProposer:
         head = DraftHead.load(head_dir or shipped_head_dir(), verifier_model)
         compiled = head.head_q8 is not None and getattr(getattr(verifier_model, "token_pass", None), "compiled", False)
         return cls(head, tree_width, compiled)
+
+    def with_width(self, tree_width: int) -> "FeatureHeadProposer":
+        """The same head, its step compiled or not as here, drafting trees tree_width wide."""
+        other = copy.copy(self)
+        other.tree_width = tree_width
+        return other
 
     def _compiled_step(self) -> CompiledMethod:
         """The head's step as one compiled graph for any number of rows: eagerly its ~40 small ops
