@@ -5,7 +5,7 @@ import torch
 from conftest import make_engine, ragged_prompts
 from specdec.models.draft_head import DraftHead, DraftHeadConfig
 from specdec.proposers.feature_head import FeatureHeadProposer
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, logits_to_probs
 
 
 def _random_head(target, vocab=200, seed=0, feature_layers=()):
@@ -182,6 +182,11 @@ def test_sampled_probs_are_distributions(tiny_target, tiny_tok):
         torch.testing.assert_close(p.probs.sum(-1), torch.ones(len(p.token_ids), device=p.probs.device), atol=1e-5, rtol=0)
         assert float(p.probs[:, outside.to(p.probs.device)].abs().max()) == 0.0
         assert all(float(p.probs[j, t]) > 0 for j, t in enumerate(p.token_ids))
+        # q is computed over the draft vocabulary: what the full row, -inf outside it, would give
+        _, logits, _, _ = head.step(req.feature.reshape(1, -1), torch.tensor([req.tokens[-1]]))
+        full = logits.new_full((1, tiny_target.args.vocab_size), float("-inf"))
+        full[0, head.vocab_ids] = logits[0]
+        torch.testing.assert_close(p.probs[0], logits_to_probs(full, req.params)[0], atol=1e-6, rtol=1e-5)
     assert n_sampled > 0
 
 
