@@ -186,6 +186,10 @@ def test_sampled_output_follows_the_verifier(kind, verifier_model, prompt, exact
         lookup = sum(m.num_lookup_drafted for m in metrics)
         assert 0 < lookup < drafted, (drafted, lookup)
     pv = pvalues(samples, exact)
+    if min(pv) <= ALPHA:
+        # a correct sampler's smallest of these p-values falls below ALPHA for a few seed sets in
+        # a thousand: confirm on fresh seeds (a broken sampler's fall far below it: the test below)
+        pv = pvalues(sample(build_engine(kind, verifier_model), prompt, _seed0(kind) + N + 1000)[0], exact)
     assert min(pv) > ALPHA, pv
 
 
