@@ -1,4 +1,4 @@
-"""EAGLE-style draft head: tiny training run end to end, lossless greedy, proper q when sampling."""
+"""EAGLE-style draft head: tiny training run end to end, lossless greedy, argmax drafts (one-hot q) when sampling."""
 import dataclasses
 
 import pytest

@@ -12,7 +12,6 @@ by which adaptive speculation keeps only the drafts worth verifying (specdec.con
 from __future__ import annotations
 
 import copy
-
 from pathlib import Path
 
 import torch
