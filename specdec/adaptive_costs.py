@@ -145,7 +145,8 @@ class Costs:
         """Drafts are made inside multi-step verifier calls (the verifier's own head, before each
         pass): a draft costs no call, and a pass with drafts is priced from the plain pass at its
         batch size until one is measured."""
-        self.draft, self.drafts_in_calls = DraftCost(*LOCAL_DRAFT_PRIOR), True
+        self.local_drafts()
+        self.drafts_in_calls = True
 
     def observe_verify(self, batch: int, tokens: int, seconds: float, steps: int, now: int) -> None:
         """seconds per pass of a call that made `steps` passes (steps > 1: plain decoding steps)."""
