@@ -168,9 +168,10 @@ def summarize_row(row: str, runs: list[dict], base: list[dict]) -> dict:
             aj = sum(r["accepted_per_position"][j] for r in runs if j < len(r["accepted_per_position"]))
             per.append(aj / dj if dj else 0.0)
         out["acceptance_per_position"] = per
-        out["pass_s"] = {"verifier": sum(r["verifier_s"] for r in runs) / max(p, 1),  # per verifier pass
-                         "rest": (secs - sum(r["verifier_s"] for r in runs)) / max(p, 1)}  # drafting, sampling, bookkeeping
-        vs = sum(r["verifier_s"] for r in runs) / max(tokens, 1)
+        verifier_s = sum(r["verifier_s"] for r in runs)
+        out["pass_s"] = {"verifier": verifier_s / max(p, 1),  # per verifier pass
+                         "rest": (secs - verifier_s) / max(p, 1)}  # drafting, sampling, bookkeeping
+        vs = verifier_s / max(tokens, 1)
         vb = sum(b["verifier_s"] for b in base) / max(sum(b["tokens"] for b in base), 1)
         out["verifier_time_saving"] = 1 - vs / vb if vb else 0.0
     return out
