@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     sampled_rows = [] if a.no_sampled else ["k0", "k1", "adaptive", *trees]
 
     print("verify cost curve ...", flush=True)
-    curve = verify_cost_curve(base.verifier.runner)
+    curve = verify_cost_curve(base.verifier.runner, reps=9, warmup=2)  # first sweeps run while the process settles
     c_ms = draft_step_ms(base, ids[0])
     # warm up every engine (allocator, adaptive cost fits) on a prompt outside the measured set
     warm = base.tokenizer.chat([{"role": "user", "content": "Say hello in five words."}])
