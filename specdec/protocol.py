@@ -18,6 +18,9 @@ class ProposeRequest:
     num_speculative_tokens: int  # K for this round (0 = propose nothing)
     params: SamplingParams  # the request's sampling settings (q uses the same transform as p)
     feature: Tensor | None = None  # [dim] verifier hidden state that predicted tokens[-1] (EAGLE-style heads; led by its feature layers' when the head reads them)
+    # a draft past the first only where the draft's probability of its path is at least this
+    # (0: K deep; heads that score their drafts stop deepening there, others draft K)
+    min_confidence: float = 0.0
 
 
 @dataclass
@@ -51,6 +54,7 @@ class VerifyRequest:
     feature: Tensor | None = None  # what the verifier's head drafts from first (ProposeRequest.feature)
     room: int | None = None  # tokens the sequence may still emit: self-drafting passes stop there
     draft_passes: int | None = None  # how many of the call's passes self-draft (None: all; a probe's: its first)
+    draft_min_confidence: float = 0.0  # the self-drafts' ProposeRequest.min_confidence
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from specdec.adaptive import AdaptiveK
-from specdec.confidence import prune, subset
+from specdec.confidence import MIN_PATH_CONFIDENCE, prune, subset
 from specdec.models.layers import draft_depth
 from specdec.proposers.ngram import NgramProposer
 from specdec.protocol import Proposal, ProposeRequest, VerifyRequest, VerifyResult
@@ -46,6 +46,9 @@ class Round:
         # more call for the batch, and an answer out of step with the others)
         self.ride_along = adaptive is not None and adaptive.last_probe
         self.ks = budgets
+        # adaptive K's K is how deep the model may draft; the head goes past its first draft only
+        # where it is sure (a fixed K drafts K deep)
+        self.min_confidence = MIN_PATH_CONFIDENCE if adaptive is not None else 0.0
         self.drafts: list[Proposal] = [Proposal([], None) for _ in batch]
         self.is_lookup = [bool(x) and k > 0 for x, k in zip(self.looked_up, self.ks)]
         for i, (x, k) in enumerate(zip(self.looked_up, self.ks)):
@@ -83,7 +86,7 @@ class Round:
             if k > 0 and not self.is_lookup[i] and not self.self_drafted[i]:
                 idx, reqs = groups.setdefault(self.proposer_of[s.seq_id], ([], []))
                 idx.append(i)
-                reqs.append(ProposeRequest(s.seq_id, list(s.tokens), k, s.params, s.feature))
+                reqs.append(ProposeRequest(s.seq_id, list(s.tokens), k, s.params, s.feature, self.min_confidence))
         return groups
 
     def set_proposals(self, idx: list[int], proposals: list[Proposal], seconds: float) -> None:
@@ -128,7 +131,8 @@ class Round:
         return [VerifyRequest(s.seq_id, list(s.tokens), d.token_ids, d.probs, s.params,
                               max(1, min(steps, s.room() - depth(d))), stop_ids=tuple(s.stop_ids),
                               draft_parents=d.parents, self_draft=k if own else 0, feature=s.feature if own else None,
-                              room=s.room(), draft_passes=1 if own and self.ride_along else None)
+                              room=s.room(), draft_passes=1 if own and self.ride_along else None,
+                              draft_min_confidence=self.min_confidence)
                 for s, d, k, own in zip(self.batch, self.drafts, self.ks, self.self_drafted)]
 
     def commit(self, results: list[VerifyResult], verify_seconds: float | None) -> list[tuple[Sequence, Delta]]:

@@ -191,3 +191,49 @@ def test_sampled_drafts_are_reproducible(tiny_target, tiny_tok):
     runs = [make_engine(tiny_target, k=3, tok=tiny_tok, proposer=FeatureHeadProposer(_random_head(tiny_target)))
             .generate(prompts, params) for _ in range(2)]
     assert [c.token_ids for c in runs[0]] == [c.token_ids for c in runs[1]]
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_drafts_past_the_first_need_a_path_that_sure(tiny_target, width):
+    """With min_confidence a chain or tree goes past its first draft only along paths the head
+    gives at least that probability (adaptive K's rounds ask for it); without, it is K deep."""
+    from specdec.protocol import ProposeRequest
+
+    head = _random_head(tiny_target)
+    prop = FeatureHeadProposer(head, width)
+    step = prop._step
+    sharpness = {"x": 1.0}
+
+    def sharpened(feat, tok):  # a head as sure as we like: its logits scaled
+        feat, logits, _, _ = step(feat, tok)
+        p = torch.softmax(logits * sharpness["x"], dim=-1)
+        p_tok, i = p.max(dim=-1)
+        return feat, logits * sharpness["x"], head.vocab_ids[i], p_tok
+
+    prop._step = sharpened
+    g = torch.Generator().manual_seed(0)
+    feats = [torch.randn(tiny_target.args.dim, generator=g) for _ in range(3)]
+
+    def drafts(floor):
+        return prop.propose([ProposeRequest(f"s{i}", [5, 7 + i], 4, SamplingParams(), f, floor)
+                             for i, f in enumerate(feats)])
+
+    for sharp in (1.0, 1e4):  # a random head is unsure of everything; sharpened, sure of its argmax
+        sharpness["x"] = sharp
+        for full, cut in zip(drafts(0.0), drafts(0.5)):
+            assert len(full.token_ids) == (4 if width == 1 else 4 * width)  # K deep, w nodes a level
+            kept = range(len(cut.token_ids))
+            assert set(zip(cut.token_ids, cut.scores)) <= set(zip(full.token_ids, full.scores))
+            parents = cut.parents or list(range(-1, len(cut.token_ids) - 1))
+            first = [j for j in kept if parents[j] == -1]
+            assert len(first) == width  # the first level always
+            assert all(cut.scores[j] >= 0.5 for j in kept if parents[j] != -1)
+            assert all(p < j for j, p in enumerate(parents))  # parents first: a well-formed tree
+            if sharp == 1.0:
+                assert len(cut.token_ids) == width
+            else:
+                assert max(_depth(parents, j) for j in kept) == 4  # sure all the way down
+
+
+def _depth(parents, j):
+    return 1 if parents[j] == -1 else 1 + _depth(parents, parents[j])

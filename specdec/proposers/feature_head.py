@@ -7,8 +7,9 @@ the verifier's LM head (restricted to the draft vocabulary) over f^_{t+1}, then 
 first round) gets no drafts.
 
 With a tree width w > 1 it drafts a token tree instead: K deep, the w likeliest paths kept at
-each depth (`_trees`). Every draft carries its confidence (the head's probability of its path),
-by which adaptive speculation keeps only the drafts worth verifying (specdec.confidence)."""
+each depth (`_trees`). Every draft carries its confidence (the head's probability of its path).
+A chain or tree goes past its first draft only where that reaches the request's min_confidence,
+and adaptive speculation then keeps only the drafts worth verifying (specdec.confidence)."""
 from __future__ import annotations
 
 import copy
@@ -84,37 +85,48 @@ class FeatureHeadProposer:
         return out
 
     def _chains(self, reqs: list[ProposeRequest], feat: Tensor, tok: Tensor) -> list[Proposal]:
-        """K drafts each, one after another: the head's argmax, for sampled requests too, so q is
+        """Up to K drafts each, one after another: the head's argmax, for sampled requests too, so q is
         one-hot and a sampled request keeps a draft with the verifier's probability of it. Drawn
         from the head's own q instead, sampled drafts were kept no more often and cost a
         transform of q per step and a residual per position (paired 24-prompt A/Bs, adaptive
         vs K=0 at T=0.7: 0.976x and 1.008x drawn, 1.052x and 1.082x as argmax)."""
         out = [Proposal([], None, scores=[]) for _ in reqs]
         ks = [r.num_speculative_tokens for r in reqs]
+        floor = torch.tensor([r.min_confidence for r in reqs], device=feat.device)
+        deeper = torch.tensor(ks, device=feat.device)  # a row may draft while its K is above the depth
         conf = torch.ones(len(reqs), device=feat.device)  # each chain's probability so far
         steps: list[tuple[Tensor, Tensor]] = []  # per step: (tokens [B], chain probabilities [B])
-        for _ in range(max(ks)):
+        for depth in range(1, max(ks) + 1):
             # the predicted next feature [B, dim], its draft logits [B, Vd], the argmax and its probability
             feat, _, tok, p_tok = self._step(feat, tok)
             conf = conf * p_tok
             steps.append((tok, conf))
-        # one host sync for the whole chain
+            if floor.any() and not bool(((conf >= floor) & (deeper > depth)).any()):
+                break  # no chain goes deeper
+        # one host sync for the whole chain (and one a step while a floor may stop it)
         toks, confs = (torch.stack(x).tolist() for x in zip(*steps))  # [steps][B]
-        for b, k in enumerate(ks):
-            out[b].token_ids, out[b].scores = [t[b] for t in toks[:k]], [c[b] for c in confs[:k]]
+        for b, (k, r) in enumerate(zip(ks, reqs)):
+            n = 1  # the first draft always; the later ones while the chain is sure enough
+            while n < min(k, len(toks)) and confs[n][b] >= r.min_confidence:
+                n += 1
+            out[b].token_ids, out[b].scores = [t[b] for t in toks[:n]], [c[b] for c in confs[:n]]
         return out
 
     def _trees(self, reqs: list[ProposeRequest], feat: Tensor, tok: Tensor) -> list[Proposal]:
-        """A tree each, K deep: at every depth the w likeliest paths (by the head's probability
+        """A tree each, up to K deep: at every depth the w likeliest paths (by the head's probability
         of the whole path) among the children of the w kept at the depth before, each with its w
         likeliest next tokens (EAGLE-2's expansion). Candidates are deterministic, so q is one-hot
         and sampled requests verify them by multi-candidate rejection (tree_sampler)."""
         head, w, B = self.head, self.tree_width, len(reqs)
         ks = [r.num_speculative_tokens for r in reqs]
         logp = torch.zeros(B, 1, device=feat.device)  # [B, rows] each kept path's log-probability
-        level: list[list[int]] = [[-1] for _ in range(B)]  # node index of each kept row (-1: the root)
+        level: list[list[int | None]] = [[-1] for _ in range(B)]  # node index of each kept row (-1: the root, None: dropped)
         nodes: list[list[tuple[int, int, float]]] = [[] for _ in range(B)]  # (token, parent, score)
+        floors = [r.min_confidence for r in reqs]
         for step in range(max(ks)):
+            if step and any(floors) and not any(k > step and p >= f for k, p, f in
+                                                zip(ks, logp[:, 0].exp().tolist(), floors)):
+                break  # no tree goes deeper: a node past the first level needs a path that sure
             feat, logits, _, _ = self._step(feat, tok)  # [B * rows, dim], [B * rows, Vd]
             lp = torch.log_softmax(logits, dim=-1)
             top_lp, top_i = lp.topk(w, dim=-1)  # [B * rows, w]
@@ -126,9 +138,11 @@ class FeatureHeadProposer:
             feat, tok = feat.reshape(B * w, -1), tok.reshape(-1)
             prev, level = level, [[] for _ in range(B)]
             for b, (ts, rs, ls) in enumerate(zip(tok.view(B, w).tolist(), row.tolist(), logp.exp().tolist())):
-                if step < ks[b]:
-                    for t, r, sc in zip(ts, rs, ls):
-                        level[b].append(len(nodes[b]))
+                for t, r, sc in zip(ts, rs, ls):
+                    # a path below the floor is dropped, and with it its children (never likelier)
+                    keep = step < ks[b] and (step == 0 or (sc >= floors[b] and prev[b][r] is not None))
+                    level[b].append(len(nodes[b]) if keep else None)
+                    if keep:
                         nodes[b].append((t, prev[b][r], sc))
         return [_preorder(n) for n in nodes]
 
