@@ -237,3 +237,36 @@ def test_drafts_past_the_first_need_a_path_that_sure(tiny_target, width):
 
 def _depth(parents, j):
     return 1 if parents[j] == -1 else 1 + _depth(parents, parents[j])
+
+
+def test_adaptive_rounds_ask_for_sure_paths_in_process_and_in_the_verifiers_calls(tiny_target, tiny_tok):
+    """Adaptive K's rounds send the head MIN_PATH_CONFIDENCE (a fixed K none), and the verifier
+    passes a self-drafting request's floor on to its own head."""
+    from specdec.config import EngineConfig
+    from specdec.confidence import MIN_PATH_CONFIDENCE
+    from specdec.engine import SpecEngine
+    from specdec.models.runner import ModelRunner
+    from specdec.protocol import VerifyRequest
+    from specdec.verifier import Verifier
+
+    seen = []
+
+    class Spy(FeatureHeadProposer):
+        def propose(self, requests):
+            seen.extend(r.min_confidence for r in requests if r.num_speculative_tokens)
+            return super().propose(requests)
+
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    make_engine(tiny_target, k=3, tok=tiny_tok, proposer=Spy(_random_head(tiny_target))).generate(ragged_prompts(2), params)
+    assert seen and set(seen) == {0.0}
+    seen.clear()
+    cfg = EngineConfig(num_speculative_tokens=3, adaptive=True)
+    eng = SpecEngine(Verifier(ModelRunner(tiny_target, 4, 512)), Spy(_random_head(tiny_target)), tiny_tok, cfg)
+    eng.generate(ragged_prompts(2), params)
+    assert seen and set(seen) == {MIN_PATH_CONFIDENCE}
+    seen.clear()
+    verifier = Verifier(ModelRunner(tiny_target, 4, 512), drafter=Spy(_random_head(tiny_target)))
+    req = VerifyRequest("s", [1, 2, 3], [], None, SamplingParams(), self_draft=2,
+                        feature=torch.randn(tiny_target.args.dim), draft_min_confidence=0.5)
+    verifier._own_drafts([req], [0.0])
+    assert seen == [0.5]
