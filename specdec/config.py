@@ -10,7 +10,7 @@ class EngineConfig(BaseModel):
 
     verifier: str = Field("default", description="Verifier model: 'default' (embedded SmolLM2-135M-Instruct), 'gemma3-270m', 'tiny[:opts]', an HF dir, a .gguf or a hub model id.")
     draft: str = Field("default", description="Draft: 'default' (the shipped draft head), 'ngram', 'none', 'tiny[:opts]' or a model path.")
-    num_speculative_tokens: int = Field(8, ge=0, le=16, description="K drafts per round (with adaptive: the most it chooses); 0 = plain decoding.")
+    num_speculative_tokens: int = Field(8, ge=0, le=16, description="K drafts per round (with adaptive: the most it chooses, and the head drafts past its first only where sure); 0 = plain decoding.")
     draft_tree_width: int = Field(1, ge=1, le=8, description="Children per node of the draft head's token tree (its likeliest tokens); 1 = a chain. With adaptive, only the drafts whose confidence pays for their place in the pass are verified.")
     adaptive: bool = Field(True, description="Choose K each round from measured acceptance, load and cost (0 when speculation does not pay).")
     device: str = Field("cpu", description="Torch device of the models: 'cpu', 'cuda', 'cuda:N' or 'auto'.")
