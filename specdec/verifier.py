@@ -149,9 +149,8 @@ class Verifier:
             return requests
         t0 = time.perf_counter()
         try:
-            props = self.drafter.propose([ProposeRequest(requests[i].seq_id, requests[i].tokens, requests[i].self_draft,
-                                                         requests[i].params, requests[i].feature, requests[i].draft_min_confidence)
-                                          for i in asks])
+            props = self.drafter.propose([ProposeRequest(r.seq_id, r.tokens, r.self_draft, r.params, r.feature,
+                                                         r.draft_min_confidence) for r in (requests[i] for i in asks)])
         except Exception:  # a failing draft costs speed, not a request: the pass goes without drafts
             self.draft_failures += 1
             log.warning("the draft head failed; this pass verifies no drafts", exc_info=True)

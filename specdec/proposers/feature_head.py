@@ -85,9 +85,9 @@ class FeatureHeadProposer:
         return out
 
     def _chains(self, reqs: list[ProposeRequest], feat: Tensor, tok: Tensor) -> list[Proposal]:
-        """Up to K drafts each, one after another: the head's argmax, for sampled requests too, so q is
-        one-hot and a sampled request keeps a draft with the verifier's probability of it. Drawn
-        from the head's own q instead, sampled drafts were kept no more often and cost a
+        """Up to K drafts each, one after another: the head's argmax, for sampled requests too, so
+        q is one-hot and a sampled request keeps a draft with the verifier's probability of it.
+        Drawn from the head's own q instead, sampled drafts were kept no more often and cost a
         transform of q per step and a residual per position (paired 24-prompt A/Bs, adaptive
         vs K=0 at T=0.7: 0.976x and 1.008x drawn, 1.052x and 1.082x as argmax)."""
         out = [Proposal([], None, scores=[]) for _ in reqs]
@@ -113,14 +113,15 @@ class FeatureHeadProposer:
         return out
 
     def _trees(self, reqs: list[ProposeRequest], feat: Tensor, tok: Tensor) -> list[Proposal]:
-        """A tree each, up to K deep: at every depth the w likeliest paths (by the head's probability
-        of the whole path) among the children of the w kept at the depth before, each with its w
-        likeliest next tokens (EAGLE-2's expansion). Candidates are deterministic, so q is one-hot
+        """A tree each, up to K deep: at every depth the w likeliest paths (by the head's
+        probability of the whole path) among the children of the w kept at the depth before, each
+        with its w likeliest next tokens (EAGLE-2's expansion). Candidates are deterministic, so q is one-hot
         and sampled requests verify them by multi-candidate rejection (tree_sampler)."""
         head, w, B = self.head, self.tree_width, len(reqs)
         ks = [r.num_speculative_tokens for r in reqs]
         logp = torch.zeros(B, 1, device=feat.device)  # [B, rows] each kept path's log-probability
-        level: list[list[int | None]] = [[-1] for _ in range(B)]  # node index of each kept row (-1: the root, None: dropped)
+        # node index of each kept row (-1: the root, None: a path dropped under the floor)
+        level: list[list[int | None]] = [[-1] for _ in range(B)]
         nodes: list[list[tuple[int, int, float]]] = [[] for _ in range(B)]  # (token, parent, score)
         floors = [r.min_confidence for r in reqs]
         for step in range(max(ks)):
