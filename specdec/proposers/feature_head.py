@@ -92,8 +92,11 @@ class FeatureHeadProposer:
         vs K=0 at T=0.7: 0.976x and 1.008x drawn, 1.052x and 1.082x as argmax)."""
         out = [Proposal([], None, scores=[]) for _ in reqs]
         ks = [r.num_speculative_tokens for r in reqs]
-        floor = torch.tensor([r.min_confidence for r in reqs], device=feat.device)
-        deeper = torch.tensor(ks, device=feat.device)  # a row may draft while its K is above the depth
+        floors = [r.min_confidence for r in reqs]
+        stops = any(floors)  # a chain stops once its path is less likely than its floor
+        if stops:
+            floor = torch.tensor(floors, device=feat.device)
+            deeper = torch.tensor(ks, device=feat.device)  # a row may draft while its K is above the depth
         conf = torch.ones(len(reqs), device=feat.device)  # each chain's probability so far
         steps: list[tuple[Tensor, Tensor]] = []  # per step: (tokens [B], chain probabilities [B])
         for depth in range(1, max(ks) + 1):
@@ -101,13 +104,13 @@ class FeatureHeadProposer:
             feat, _, tok, p_tok = self._step(feat, tok)
             conf = conf * p_tok
             steps.append((tok, conf))
-            if floor.any() and not bool(((conf >= floor) & (deeper > depth)).any()):
+            if stops and not bool(((conf >= floor) & (deeper > depth)).any()):
                 break  # no chain goes deeper
         # one host sync for the whole chain (and one a step while a floor may stop it)
         toks, confs = (torch.stack(x).tolist() for x in zip(*steps))  # [steps][B]
-        for b, (k, r) in enumerate(zip(ks, reqs)):
+        for b, (k, f) in enumerate(zip(ks, floors)):
             n = 1  # the first draft always; the later ones while the chain is sure enough
-            while n < min(k, len(toks)) and confs[n][b] >= r.min_confidence:
+            while n < min(k, len(toks)) and confs[n][b] >= f:
                 n += 1
             out[b].token_ids, out[b].scores = [t[b] for t in toks[:n]], [c[b] for c in confs[:n]]
         return out
