@@ -93,10 +93,6 @@ class FeatureHeadProposer:
         out = [Proposal([], None, scores=[]) for _ in reqs]
         ks = [r.num_speculative_tokens for r in reqs]
         floors = [r.min_confidence for r in reqs]
-        stops = any(floors)  # a chain stops once its path is less likely than its floor
-        if stops:
-            floor = torch.tensor(floors, device=feat.device)
-            deeper = torch.tensor(ks, device=feat.device)  # a row may draft while its K is above the depth
         conf = torch.ones(len(reqs), device=feat.device)  # each chain's probability so far
         steps: list[tuple[Tensor, Tensor]] = []  # per step: (tokens [B], chain probabilities [B])
         for depth in range(1, max(ks) + 1):
@@ -104,7 +100,7 @@ class FeatureHeadProposer:
             feat, _, tok, p_tok = self._step(feat, tok)
             conf = conf * p_tok
             steps.append((tok, conf))
-            if stops and not bool(((conf >= floor) & (deeper > depth)).any()):
+            if any(floors) and not _deepens(ks, depth, conf.tolist(), floors):
                 break  # no chain goes deeper
         # one host sync for the whole chain (and one a step while a floor may stop it)
         toks, confs = (torch.stack(x).tolist() for x in zip(*steps))  # [steps][B]
@@ -118,8 +114,8 @@ class FeatureHeadProposer:
     def _trees(self, reqs: list[ProposeRequest], feat: Tensor, tok: Tensor) -> list[Proposal]:
         """A tree each, up to K deep: at every depth the w likeliest paths (by the head's
         probability of the whole path) among the children of the w kept at the depth before, each
-        with its w likeliest next tokens (EAGLE-2's expansion). Candidates are deterministic, so q is one-hot
-        and sampled requests verify them by multi-candidate rejection (tree_sampler)."""
+        with its w likeliest next tokens (EAGLE-2's expansion). Candidates are deterministic, so q
+        is one-hot and sampled requests verify them by multi-candidate rejection (tree_sampler)."""
         head, w, B = self.head, self.tree_width, len(reqs)
         ks = [r.num_speculative_tokens for r in reqs]
         logp = torch.zeros(B, 1, device=feat.device)  # [B, rows] each kept path's log-probability
@@ -128,8 +124,7 @@ class FeatureHeadProposer:
         nodes: list[list[tuple[int, int, float]]] = [[] for _ in range(B)]  # (token, parent, score)
         floors = [r.min_confidence for r in reqs]
         for step in range(max(ks)):
-            if step and any(floors) and not any(k > step and p >= f for k, p, f in
-                                                zip(ks, logp[:, 0].exp().tolist(), floors)):
+            if step and any(floors) and not _deepens(ks, step, logp[:, 0].exp().tolist(), floors):
                 break  # no tree goes deeper: a node past the first level needs a path that sure
             feat, logits, _, _ = self._step(feat, tok)  # [B * rows, dim], [B * rows, Vd]
             lp = torch.log_softmax(logits, dim=-1)
@@ -149,6 +144,12 @@ class FeatureHeadProposer:
                     if keep:
                         nodes[b].append((t, prev[b][r], sc))
         return [_preorder(n) for n in nodes]
+
+
+def _deepens(ks: list[int], depth: int, best: list[float], floors: list[float]) -> bool:
+    """Some row may draft past `depth` (its K allows it) along a path whose probability, best[b],
+    reaches its floor."""
+    return any(k > depth and p >= f for k, p, f in zip(ks, best, floors))
 
 
 def _preorder(nodes: list[tuple[int, int, float]]) -> Proposal:
