@@ -21,6 +21,7 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
+from specdec.models import kernels
 from specdec.sampling import inverse_cdf
 
 
@@ -83,8 +84,11 @@ def _sampled(reqs: list[Sampled], target: Tensor) -> list[list[int]]:
     u = [torch.rand(len(r.drafts), generator=r.gen, device=target.device) for r in reqs]
     w = torch.cat([torch.rand(1, generator=r.gen, dtype=torch.float64, device=target.device) for r in reqs])
     n = accepted_lengths(reqs, target, u)
-    dist, rows = final_rows(reqs, target, n)
-    last = draw_rows(dist, w, target, rows).tolist()
+    if all(r.q is None for r in reqs) and kernels.sampling_fused(target):
+        last = draw_skipping(target, [r.row + k for r, k in zip(reqs, n)], residual_skips(reqs, n), w)
+    else:
+        dist, rows = final_rows(reqs, target, n)
+        last = draw_rows(dist, w, target, rows).tolist()
     return [r.drafts[:k] + [t] for r, k, t in zip(reqs, n, last)]
 
 
@@ -117,10 +121,33 @@ def final_rows(reqs: list[Sampled], target: Tensor, n: list[int]) -> tuple[Tenso
     if with_q:
         q = torch.stack([reqs[i].q[n[i]] for i in with_q]).to(dist.device)
         dist[with_q] = (dist[with_q] - q).clamp_min_(0.0)
-    one_hot = [i for i, (r, k) in enumerate(zip(reqs, n)) if k < len(r.drafts) and r.q is None]
+    skips = residual_skips(reqs, n)
+    one_hot = [i for i, t in enumerate(skips) if t >= 0]
     if one_hot:
-        dist[one_hot, [reqs[i].drafts[n[i]] for i in one_hot]] = 0.0
+        dist[one_hot, [skips[i] for i in one_hot]] = 0.0
     return dist, rows
+
+
+def residual_skips(reqs: list[Sampled], n: list[int]) -> list[int]:
+    """The token each one-hot request's last draw leaves out of p: its rejected draft (p without it
+    is the residual max(0, p - q) for a one-hot q); -1 after all its drafts, or for a q row."""
+    return [r.drafts[k] if k < len(r.drafts) and r.q is None else -1 for r, k in zip(reqs, n)]
+
+
+def draw_skipping(target: Tensor, rows: list[int], skips: list[int], w: Tensor) -> list[int]:
+    """final_rows + draw_rows for one-hot q's in sampling.cpp, reading each row in place: a token
+    from target[rows[i]] without skips[i] at uniform w[i]; where that leaves no mass, from the row
+    itself, and where that has none either, its argmax (as draw_rows falls back)."""
+    draw = torch.ops.specdec_sampling.draw
+    rows_t, skip_t = torch.tensor(rows), torch.tensor(skips)
+    out = draw(target, rows_t, skip_t, w)
+    bad = out < 0
+    if bool(bad.any()):
+        out[bad] = draw(target, rows_t[bad], torch.full_like(skip_t[bad], -1), w[bad])
+        still = out < 0
+        if bool(still.any()):
+            out[still] = target[rows_t[still]].nan_to_num(nan=-1.0).argmax(-1)
+    return out.tolist()
 
 
 def draw_rows(dist: Tensor, w: Tensor, target: Tensor, rows: list[int]) -> Tensor:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from specdec.models import kernels
+
 
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (vLLM's and OpenAI's chat limit)
 # temperatures below this decode greedily (vLLM's _SAMPLING_EPS): logits / T overflows fp32 to inf
@@ -53,7 +55,8 @@ class SamplingParams:
 def logits_to_probs(logits: Tensor, p: SamplingParams | list[SamplingParams]) -> Tensor:
     """[N, V] logits -> [N, V] probabilities under temperature, top-k and top-p (fp32), with one
     SamplingParams for all rows or one per row: a batch's rows are transformed together, each by
-    its own request's parameters, in a handful of ops whatever the batch.
+    its own request's parameters, in a handful of ops whatever the batch (on a CPU with AVX-512,
+    in one kernel call: specdec/models/kernels/sampling.cpp, the same transform).
 
     Scaled in log space from each row's maximum: (logit - max) / T is 0 for the likeliest token
     and finite or -inf for the rest at any temperature, so no row ever holds inf - inf. A row
@@ -61,27 +64,35 @@ def logits_to_probs(logits: Tensor, p: SamplingParams | list[SamplingParams]) ->
     shape = logits.shape
     logits = logits.reshape(-1, shape[-1])
     rows = p if isinstance(p, list) else [p] * logits.shape[0]
+    inv_t = torch.tensor([1.0 / max(r.temperature, SAMPLING_EPS) for r in rows], device=logits.device)
+    ks = [r.top_k if 0 < r.top_k < logits.shape[-1] else 0 for r in rows]
+    if kernels.sampling_fused(logits):
+        top_p = torch.tensor([r.top_p for r in rows])
+        return torch.ops.specdec_sampling.probs(logits.float(), inv_t, torch.tensor(ks), top_p).view(shape)
+    return _probs(logits, inv_t[:, None], ks, [r.top_p for r in rows]).view(shape)
+
+
+def _probs(logits: Tensor, inv_t: Tensor, ks: list[int], top_ps: list[float]) -> Tensor:
+    """logits_to_probs in torch's ops: inv_t [N, 1], each row's top-k (0: none) and top-p."""
     dev = logits.device
     x = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
     top = x.amax(dim=-1, keepdim=True)
     finite = torch.isfinite(top)  # [N, 1]: the row has a finite logit (else it is all -inf)
-    inv_t = torch.tensor([1.0 / max(r.temperature, SAMPLING_EPS) for r in rows], device=dev)[:, None]
     x = (x - torch.where(finite, top, 0.0)) * inv_t
-    ks = [r.top_k if 0 < r.top_k < x.shape[-1] else 0 for r in rows]
     if any(ks):  # the kth value of each row that has a k: x's top max(k), read at k - 1
         kth = torch.topk(x, max(ks), dim=-1).values.gather(-1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])
         x = x.masked_fill((x < kth) & torch.tensor([k > 0 for k in ks], device=dev)[:, None], float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    nucleus = [i for i, r in enumerate(rows) if r.top_p < 1.0]
+    nucleus = [i for i, t in enumerate(top_ps) if t < 1.0]
     if nucleus:
-        top_p = torch.tensor([rows[i].top_p for i in nucleus], device=dev)[:, None]
-        if len(nucleus) == len(rows):
+        top_p = torch.tensor([top_ps[i] for i in nucleus], device=dev)[:, None]
+        if len(nucleus) == len(top_ps):
             probs = top_p_filter(probs, top_p)
         else:
             probs[nucleus] = top_p_filter(probs[nucleus], top_p)
     # a row is finite wherever its maximum is: its max scales to 0, so its softmax sums to >= 1.
     # Elementwise, not `if broken.any()`: a host sync per call would stall a GPU verifier's pass
-    return torch.where(finite, probs, 1.0 / probs.shape[-1]).view(shape)
+    return torch.where(finite, probs, 1.0 / probs.shape[-1])
 
 
 NUCLEUS_FIRST_TRY = 256  # top-p looks for the nucleus among this many likeliest tokens first

@@ -5,7 +5,9 @@ same whatever else shares the call):
   fold per row; its cost is nearly flat in the number of rows, where torch's int4 kernel's grows
   with each row (2.6x at 5 rows here), which is what a verify pass of K + 1 tokens pays;
 - attention.cpp: a token pass's attention (models.token_pass): runs of a sequence's tokens per key/value
-  head and chunk of 128 keys, on AMX-BF16's tile unit where the CPU has it.
+  head and chunk of 128 keys, on AMX-BF16's tile unit where the CPU has it;
+- sampling.cpp: a sampled row's probabilities (temperature, top-k, top-p) and its draw, each in a
+  pass or two over the vocabulary instead of torch's ~20 ops (specdec.sampling), with AVX-512.
 
 `load()` compiles the extension once per (source, torch version, CPU flags) into
 $SPECDEC_HOME/kernels/<hash> (default ~/.cache/specdec) and registers torch.ops.specdec_kernels;
@@ -25,7 +27,8 @@ log = logging.getLogger(__name__)
 
 GROUP = 32  # inputs per scale and min
 TILE = 16  # output columns per packed tile
-SOURCES = [Path(__file__).with_name(f) for f in ("wq_matmul.cpp", "attention.cpp")]
+SOURCES = [Path(__file__).with_name(f) for f in ("wq_matmul.cpp", "attention.cpp", "sampling.cpp")]
+HEADERS = [Path(__file__).with_name("exp16.h")]
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
 
 _lock = threading.Lock()
@@ -48,7 +51,7 @@ def build_dir() -> Path:
     from specdec.models.default import specdec_home
 
     key = hashlib.sha256()
-    for part in (*(f.read_bytes() for f in SOURCES), torch.__version__.encode(), _cpu_flags().encode(), " ".join(CFLAGS).encode()):
+    for part in (*(f.read_bytes() for f in SOURCES + HEADERS), torch.__version__.encode(), _cpu_flags().encode(), " ".join(CFLAGS).encode()):
         key.update(part)
         key.update(b"\0")
     return specdec_home() / "kernels" / key.hexdigest()[:16]
@@ -75,6 +78,16 @@ def load(verbose: bool = False) -> bool:
             _state["ok"], _state["reason"] = False, f"{type(e).__name__}: {e}"
             log.warning("specdec kernels unavailable, falling back to torch's int4 kernel: %s", _state["reason"])
         return bool(_state["ok"])
+
+
+def sampling_fused(t: Tensor) -> bool:
+    """Whether sampling.cpp takes this tensor: one on the CPU, where the kernels build with AVX-512
+    (elsewhere torch's ops are as fast as a scalar loop over the vocabulary would be)."""
+    if t.device.type != "cpu" or not load():
+        return False
+    if "sampling" not in _state:
+        _state["sampling"] = torch.ops.specdec_sampling.sampling_isa() == "avx512"
+    return bool(_state["sampling"])
 
 
 def unavailable_reason() -> str:

@@ -1,0 +1,215 @@
+// The sampled verifier's per-row work over the vocabulary (specdec/sampling.py, rejection_sampler.py)
+// in one or two passes a row. In torch the same transform is ~20 ops, each a pass over the
+// 49k-wide row with its own allocation: ~0.6 ms of a ~7 ms sampled step here, the rejection
+// sampler's draw another ~0.3 ms, against ~0.1 ms for a greedy step's argmax.
+//
+// probs: temperature, top-k and top-p as logits_to_probs applies them. Top-p needs the likeliest
+// tokens in order only up to the nucleus: the exp pass also sums the mass of the tokens at or above
+// three thresholds, and only those above the highest threshold holding top_p's mass are sorted.
+// draw: one token per row by inverse CDF, optionally with one token left out (the rejected draft
+// of a one-hot q): the row's mass in blocks, then a scan of the one block where the draw falls.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "exp16.h"
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr float THRESHOLDS[3] = {1.f / 256, 1.f / 65536, 1.f / 16777216};  // of the row's likeliest token's mass
+
+// out[j] = (x[j] - max) * inv_t, x as logits_to_probs' nan_to_num leaves it (NaN -inf, -inf and
+// +inf the lowest and largest float); false when the row has no finite logit (all NaN).
+bool scaled(const float* x, float* out, int64_t V, float inv_t) {
+  const __m512 ninf = _mm512_set1_ps(-INFINITY), lo = _mm512_set1_ps(-FLT_MAX), hi = _mm512_set1_ps(FLT_MAX);
+  __m512 acc = ninf;
+  int64_t j = 0;
+  for (; j + 16 <= V; j += 16) {
+    const __m512 x16 = _mm512_loadu_ps(x + j);
+    const __m512 v = _mm512_mask_mov_ps(_mm512_min_ps(_mm512_max_ps(x16, lo), hi), _mm512_cmp_ps_mask(x16, x16, _CMP_UNORD_Q), ninf);
+    _mm512_storeu_ps(out + j, v);
+    acc = _mm512_max_ps(acc, v);
+  }
+  float top = _mm512_reduce_max_ps(acc);
+  for (; j < V; ++j) {
+    out[j] = std::isnan(x[j]) ? -INFINITY : std::min(std::max(x[j], -FLT_MAX), FLT_MAX);
+    top = std::max(top, out[j]);
+  }
+  if (!std::isfinite(top)) return false;
+  const __m512 m = _mm512_set1_ps(top), s = _mm512_set1_ps(inv_t);
+  for (j = 0; j + 16 <= V; j += 16) _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(out + j), m), s));
+  for (; j < V; ++j) out[j] = (out[j] - top) * inv_t;
+  return true;
+}
+
+// keeps the k largest values of v (and all equal to the kth), the rest -inf
+void keep_top_k(float* v, int64_t V, int64_t k, std::vector<float>& scratch) {
+  scratch.assign(v, v + V);
+  std::nth_element(scratch.begin(), scratch.begin() + (k - 1), scratch.end(), std::greater<float>());
+  const float kth = scratch[k - 1];
+  for (int64_t j = 0; j < V; ++j) v[j] = v[j] < kth ? -INFINITY : v[j];
+}
+
+// v[j] = e^v[j] for v <= 0, as 0 below -87 (where float's e^x leaves its normal range and exp16
+// stops); returns the row's mass and, in above[t], the mass at or above THRESHOLDS[t]
+float exps(float* v, int64_t V, float above[3]) {
+  const __m512 low = _mm512_set1_ps(-87.f);
+  __m512 acc = _mm512_setzero_ps(), hi[3];
+  __m512 th[3];
+  for (int t = 0; t < 3; ++t) hi[t] = _mm512_setzero_ps(), th[t] = _mm512_set1_ps(THRESHOLDS[t]);
+  int64_t j = 0;
+  for (; j + 16 <= V; j += 16) {
+    const __m512 x = _mm512_loadu_ps(v + j);
+    const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, low, _CMP_GT_OQ), exp16(x));
+    _mm512_storeu_ps(v + j, e);
+    acc = _mm512_add_ps(acc, e);
+    for (int t = 0; t < 3; ++t) hi[t] = _mm512_mask_add_ps(hi[t], _mm512_cmp_ps_mask(e, th[t], _CMP_GE_OQ), hi[t], e);
+  }
+  float sum = _mm512_reduce_add_ps(acc);
+  for (int t = 0; t < 3; ++t) above[t] = _mm512_reduce_add_ps(hi[t]);
+  for (; j < V; ++j) {
+    v[j] = v[j] > -87.f ? std::exp(v[j]) : 0.f;
+    sum += v[j];
+    for (int t = 0; t < 3; ++t) above[t] += v[j] >= THRESHOLDS[t] ? v[j] : 0.f;
+  }
+  return sum;
+}
+
+// e (unnormalised, sum z) -> the nucleus: the likeliest tokens while the mass before them is
+// under top_p, renormalised, the rest 0. Only tokens at or above a threshold whose mass reaches
+// top_p can be in it, so only they are sorted.
+void nucleus(float* e, int64_t V, float z, const float above[3], float top_p, std::vector<std::pair<float, int32_t>>& cand) {
+  const double target = static_cast<double>(top_p) * z;
+  float floor_e = 0.f;  // candidates: e >= floor_e (and e > 0)
+  for (int t = 2; t >= 0; --t)
+    if (above[t] >= target) floor_e = THRESHOLDS[t];
+  cand.clear();
+  for (int64_t j = 0; j < V; ++j)
+    if (e[j] > 0.f && e[j] >= floor_e) cand.emplace_back(e[j], static_cast<int32_t>(j));
+  std::sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); });
+  double before = 0.0;
+  size_t kept = 0;
+  while (kept < cand.size() && (kept == 0 || before < target)) before += cand[kept++].first;
+  std::memset(e, 0, V * sizeof(float));
+  const float inv = static_cast<float>(1.0 / before);
+  for (size_t i = 0; i < kept; ++i) e[cand[i].second] = cand[i].first * inv;
+}
+
+void probs_row(const float* x, float* out, int64_t V, float inv_t, int64_t top_k, float top_p) {
+  if (!scaled(x, out, V, inv_t)) {  // no finite logit (a broken model output): uniform, as logits_to_probs
+    std::fill(out, out + V, 1.f / V);
+    return;
+  }
+  thread_local std::vector<float> scratch;
+  thread_local std::vector<std::pair<float, int32_t>> cand;
+  if (top_k > 0 && top_k < V) keep_top_k(out, V, top_k, scratch);
+  float above[3];
+  const float z = exps(out, V, above);
+  if (top_p < 1.f) return nucleus(out, V, z, above, top_p, cand);
+  const __m512 inv = _mm512_set1_ps(1.f / z);
+  int64_t j = 0;
+  for (; j + 16 <= V; j += 16) _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_loadu_ps(out + j), inv));
+  for (; j < V; ++j) out[j] *= 1.f / z;
+}
+#endif
+
+constexpr int64_t BLOCK = 512;  // entries per partial sum of draw()
+
+// the index where w * mass falls in row p's running sum, skipping index `skip`; -1 if the row has
+// no finite positive mass. The last entry with mass when rounding leaves the draw past the end.
+int64_t draw_row(const float* p, int64_t V, int64_t skip, double w) {
+  const int64_t nb = (V + BLOCK - 1) / BLOCK;
+  thread_local std::vector<double> sums;
+  sums.assign(nb, 0.0);
+  double total = 0.0;
+  for (int64_t b = 0; b < nb; ++b) {
+    double s = 0.0;
+    for (int64_t j = b * BLOCK, e = std::min(V, j + BLOCK); j < e; ++j) s += j == skip ? 0.0 : p[j];
+    sums[b] = s;
+    total += s;
+  }
+  if (!(total > 0.0) || !std::isfinite(total)) return -1;
+  const double at = w * total;
+  double run = 0.0;
+  int64_t last = -1;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (run + sums[b] <= at && b + 1 < nb) {
+      run += sums[b];
+      continue;
+    }
+    for (int64_t j = b * BLOCK, e = std::min(V, j + BLOCK); j < e; ++j) {
+      if (j == skip || !(p[j] > 0.f)) continue;
+      last = j;
+      run += p[j];
+      if (run > at) return j;
+    }
+    if (last >= 0 && b + 1 == nb) return last;
+  }
+  return last;
+}
+
+at::Tensor probs(const at::Tensor& logits, const at::Tensor& inv_t, const at::Tensor& top_k, const at::Tensor& top_p) {
+#if defined(__AVX512F__)
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "sampling_probs: logits must be float32 [N, V]");
+  const auto x = logits.contiguous();
+  const int64_t N = x.size(0), V = x.size(1);
+  const auto t = inv_t.to(at::kFloat).contiguous(), p = top_p.to(at::kFloat).contiguous();
+  const auto k = top_k.to(at::kLong).contiguous();
+  TORCH_CHECK(t.numel() == N && p.numel() == N && k.numel() == N, "sampling_probs: one parameter per row");
+  auto out = at::empty({N, V}, x.options());
+  const float *xs = x.data_ptr<float>(), *ts = t.data_ptr<float>(), *ps = p.data_ptr<float>();
+  const int64_t* ks = k.data_ptr<int64_t>();
+  float* os = out.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) probs_row(xs + r * V, os + r * V, V, ts[r], ks[r], ps[r]);
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "sampling_probs needs AVX-512 (sampling_isa() says which path was built)");
+  return logits;
+#endif
+}
+
+// one token per (row, skip, w): row `rows[i]` of target [N, V] (float32 probabilities), without
+// token skip[i] (-1: none), at uniform w[i] in [0, 1); -1 where that leaves no mass.
+at::Tensor draw(const at::Tensor& target, const at::Tensor& rows, const at::Tensor& skip, const at::Tensor& w) {
+  TORCH_CHECK(target.dim() == 2 && target.scalar_type() == at::kFloat, "sampling_draw: target must be float32 [N, V]");
+  const auto p = target.contiguous();
+  const auto r = rows.to(at::kLong).contiguous(), s = skip.to(at::kLong).contiguous();
+  const auto u = w.to(at::kDouble).contiguous();
+  const int64_t S = r.numel(), V = p.size(1);
+  TORCH_CHECK(S == s.numel() && S == u.numel(), "sampling_draw: one skip and one w per row");
+  TORCH_CHECK(S == 0 || (r.min().item<int64_t>() >= 0 && r.max().item<int64_t>() < p.size(0)), "sampling_draw: row out of range");
+  auto out = at::empty({S}, r.options());
+  for (int64_t i = 0; i < S; ++i)
+    out.data_ptr<int64_t>()[i] = draw_row(p.data_ptr<float>() + r.data_ptr<int64_t>()[i] * V, V, s.data_ptr<int64_t>()[i], u.data_ptr<double>()[i]);
+  return out;
+}
+
+std::string isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specdec_sampling, m) {
+  m.def("sampling_isa() -> str", &isa);
+  m.def("probs(Tensor logits, Tensor inv_t, Tensor top_k, Tensor top_p) -> Tensor");
+  m.def("draw(Tensor target, Tensor rows, Tensor skip, Tensor w) -> Tensor");
+  m.impl("probs", c10::DispatchKey::CPU, TORCH_FN(probs));
+  m.impl("draw", c10::DispatchKey::CPU, TORCH_FN(draw));
+}
