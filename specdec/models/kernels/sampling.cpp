@@ -21,34 +21,45 @@
 #include <utility>
 #include <vector>
 
-#include "exp16.h"
-
 namespace {
 
-#if defined(__AVX512F__)
 constexpr float THRESHOLDS[3] = {1.f / 256, 1.f / 65536, 1.f / 16777216};  // of the row's likeliest token's mass
+
+// The loops below are plain float code under `omp simd`, which lets the compiler vectorise them
+// (reductions included) for whatever the CPU has: 16 lanes with AVX-512, 8 with AVX2.
+
+// e^x for -87 <= x <= 0: 2^(n + f), n = round(x log2 e) (the add and subtract of 1.5 * 2^23
+// rounds to nearest), 2^f by attention.cpp's exp16 polynomial, 2^n built in the exponent bits
+inline float exp_neg(float x) {
+  const float t = x * 1.44269504088896341f;
+  const float n = (t + 12582912.f) - 12582912.f;
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
 
 // out[j] = (x[j] - max) * inv_t, x as logits_to_probs' nan_to_num leaves it (NaN -inf, -inf and
 // +inf the lowest and largest float); false when the row has no finite logit (all NaN).
 bool scaled(const float* x, float* out, int64_t V, float inv_t) {
-  const __m512 ninf = _mm512_set1_ps(-INFINITY), lo = _mm512_set1_ps(-FLT_MAX), hi = _mm512_set1_ps(FLT_MAX);
-  __m512 acc = ninf;
-  int64_t j = 0;
-  for (; j + 16 <= V; j += 16) {
-    const __m512 x16 = _mm512_loadu_ps(x + j);
-    const __m512 v = _mm512_mask_mov_ps(_mm512_min_ps(_mm512_max_ps(x16, lo), hi), _mm512_cmp_ps_mask(x16, x16, _CMP_UNORD_Q), ninf);
-    _mm512_storeu_ps(out + j, v);
-    acc = _mm512_max_ps(acc, v);
-  }
-  float top = _mm512_reduce_max_ps(acc);
-  for (; j < V; ++j) {
-    out[j] = std::isnan(x[j]) ? -INFINITY : std::min(std::max(x[j], -FLT_MAX), FLT_MAX);
-    top = std::max(top, out[j]);
+  float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+  for (int64_t j = 0; j < V; ++j) {
+    const float c = x[j] < -FLT_MAX ? -FLT_MAX : (x[j] > FLT_MAX ? FLT_MAX : x[j]);
+    out[j] = x[j] != x[j] ? -INFINITY : c;
+    top = out[j] > top ? out[j] : top;
   }
   if (!std::isfinite(top)) return false;
-  const __m512 m = _mm512_set1_ps(top), s = _mm512_set1_ps(inv_t);
-  for (j = 0; j + 16 <= V; j += 16) _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(out + j), m), s));
-  for (; j < V; ++j) out[j] = (out[j] - top) * inv_t;
+#pragma omp simd
+  for (int64_t j = 0; j < V; ++j) out[j] = (out[j] - top) * inv_t;
   return true;
 }
 
@@ -60,28 +71,21 @@ void keep_top_k(float* v, int64_t V, int64_t k, std::vector<float>& scratch) {
   for (int64_t j = 0; j < V; ++j) v[j] = v[j] < kth ? -INFINITY : v[j];
 }
 
-// v[j] = e^v[j] for v <= 0, as 0 below -87 (where float's e^x leaves its normal range and exp16
-// stops); returns the row's mass and, in above[t], the mass at or above THRESHOLDS[t]
+// v[j] = e^v[j] for v <= 0, as 0 below -87 (where float's e^x leaves its normal range); returns
+// the row's mass and, in above[t], the mass at or above THRESHOLDS[t]
 float exps(float* v, int64_t V, float above[3]) {
-  const __m512 low = _mm512_set1_ps(-87.f);
-  __m512 acc = _mm512_setzero_ps(), hi[3];
-  __m512 th[3];
-  for (int t = 0; t < 3; ++t) hi[t] = _mm512_setzero_ps(), th[t] = _mm512_set1_ps(THRESHOLDS[t]);
-  int64_t j = 0;
-  for (; j + 16 <= V; j += 16) {
-    const __m512 x = _mm512_loadu_ps(v + j);
-    const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, low, _CMP_GT_OQ), exp16(x));
-    _mm512_storeu_ps(v + j, e);
-    acc = _mm512_add_ps(acc, e);
-    for (int t = 0; t < 3; ++t) hi[t] = _mm512_mask_add_ps(hi[t], _mm512_cmp_ps_mask(e, th[t], _CMP_GE_OQ), hi[t], e);
+  float sum = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f;
+#pragma omp simd reduction(+ : sum, a0, a1, a2)
+  for (int64_t j = 0; j < V; ++j) {
+    const float x = v[j];
+    const float e = x > -87.f ? exp_neg(x) : 0.f;
+    v[j] = e;
+    sum += e;
+    a0 += e >= THRESHOLDS[0] ? e : 0.f;
+    a1 += e >= THRESHOLDS[1] ? e : 0.f;
+    a2 += e >= THRESHOLDS[2] ? e : 0.f;
   }
-  float sum = _mm512_reduce_add_ps(acc);
-  for (int t = 0; t < 3; ++t) above[t] = _mm512_reduce_add_ps(hi[t]);
-  for (; j < V; ++j) {
-    v[j] = v[j] > -87.f ? std::exp(v[j]) : 0.f;
-    sum += v[j];
-    for (int t = 0; t < 3; ++t) above[t] += v[j] >= THRESHOLDS[t] ? v[j] : 0.f;
-  }
+  above[0] = a0, above[1] = a1, above[2] = a2;
   return sum;
 }
 
@@ -116,12 +120,10 @@ void probs_row(const float* x, float* out, int64_t V, float inv_t, int64_t top_k
   float above[3];
   const float z = exps(out, V, above);
   if (top_p < 1.f) return nucleus(out, V, z, above, top_p, cand);
-  const __m512 inv = _mm512_set1_ps(1.f / z);
-  int64_t j = 0;
-  for (; j + 16 <= V; j += 16) _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_loadu_ps(out + j), inv));
-  for (; j < V; ++j) out[j] *= 1.f / z;
+  const float inv = 1.f / z;
+#pragma omp simd
+  for (int64_t j = 0; j < V; ++j) out[j] *= inv;
 }
-#endif
 
 constexpr int64_t BLOCK = 512;  // entries per partial sum of draw()
 
@@ -159,7 +161,6 @@ int64_t draw_row(const float* p, int64_t V, int64_t skip, double w) {
 }
 
 at::Tensor probs(const at::Tensor& logits, const at::Tensor& inv_t, const at::Tensor& top_k, const at::Tensor& top_p) {
-#if defined(__AVX512F__)
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "sampling_probs: logits must be float32 [N, V]");
   const auto x = logits.contiguous();
   const int64_t N = x.size(0), V = x.size(1);
@@ -174,10 +175,6 @@ at::Tensor probs(const at::Tensor& logits, const at::Tensor& inv_t, const at::Te
     for (int64_t r = begin; r < end; ++r) probs_row(xs + r * V, os + r * V, V, ts[r], ks[r], ps[r]);
   });
   return out;
-#else
-  TORCH_CHECK(false, "sampling_probs needs AVX-512 (sampling_isa() says which path was built)");
-  return logits;
-#endif
 }
 
 // one token per (row, skip, w): row `rows[i]` of target [N, V] (float32 probabilities), without
@@ -196,9 +193,11 @@ at::Tensor draw(const at::Tensor& target, const at::Tensor& rows, const at::Tens
   return out;
 }
 
-std::string isa() {
+std::string isa() {  // the vector width the loops above were compiled for
 #if defined(__AVX512F__)
   return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
 #else
   return "scalar";
 #endif
