@@ -24,9 +24,10 @@ def test_quick_bench_on_tiny_models(tmp_path):
     out = tmp_path / "summary.json"
     head = tiny_head_dir(tmp_path / "head")  # a draft head: its token-tree rows too
     assert main(["--quick", "--verifier", "tiny", "--draft", str(head), "--threads", "1", "--max-tokens", "8",
-                 "--name", "smoke", "--results-dir", str(tmp_path), "--out", str(out)]) == 0
+                 "--reps", "2", "--name", "smoke", "--results-dir", str(tmp_path), "--out", str(out)]) == 0
     res = json.loads((tmp_path / "smoke.json").read_text())
     assert {r["row"] for r in res["greedy"]} == {"k0", "k1", "k2", "k4", "adaptive", "adaptive_w2", "adaptive_w4", "ngram"}
+    assert res["config"]["reps"] == 2 and all(r["n"] == 2 * res["config"]["prompts"] for r in res["greedy"])  # every pass
     assert all(r["identical_to_k0"] for r in res["greedy"])  # greedy speculation is lossless, every row
     assert [int(t) for t in res["verify_cost_ms"]] == list(range(1, 10))
     assert (tmp_path / "smoke.png").stat().st_size > 0 and "| k0 |" in (tmp_path / "smoke.md").read_text()

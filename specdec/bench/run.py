@@ -240,6 +240,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="one prompt per category, fewer rows (<= 3 min)")
     ap.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 40, quick 32)")
     ap.add_argument("--per-category", type=int, default=None, help="prompts per category (default 0 = all 4, quick 1): 2 measured each ratio to about ±0.1")
+    ap.add_argument("--reps", type=int, default=1, help="passes over the prompts (as llama-bench's -r): a ratio is a median over all "
+                    "prompt passes; sampled passes draw with their own seeds")
     ap.add_argument("--name", default=None, help="results file stem under bench/results/")
     ap.add_argument("--out", default=None, help="also write the summary figures to this JSON file")
     ap.add_argument("--threads", type=int, default=2)
@@ -386,7 +388,8 @@ def write_results(out: dict, res_dir: Path, name: str, greedy_rows: list[str]) -
     cfg, curve = out["config"], out["verify_cost_ms"]
     res_dir.mkdir(parents=True, exist_ok=True)
     (res_dir / f"{name}.json").write_text(json.dumps(out, indent=1, default=float))
-    md = [f"## Greedy ({cfg['prompts']} prompts, {cfg['max_tokens']} new tokens, {cfg['threads']} threads)",
+    passes = f" x {cfg['reps']} passes" if cfg.get("reps", 1) > 1 else ""
+    md = [f"## Greedy ({cfg['prompts']} prompts{passes}, {cfg['max_tokens']} new tokens, {cfg['threads']} threads)",
           markdown(out["greedy"])]
     if "sampled" in out:
         md += ["", "## Sampled (T=0.7, top-p 0.95)", markdown(out["sampled"])]
@@ -412,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     per_cat = a.per_category if a.per_category is not None else (1 if a.quick else 0)
     rows = build_rows(a, max_tokens)
     base = rows.engine
-    prompts = load_prompts(per_cat or None)
+    prompts = load_prompts(per_cat or None) * max(1, a.reps)  # each pass is the prompts again, rows interleaved
     ids = [base.tokenizer.chat(p["messages"]) for p in prompts]
     trees = [r for r in rows.adaptive_engines if r.startswith("adaptive_w")]
     greedy_rows = ["k0", "k1", "k2", "k4", "adaptive", *trees, "ngram"] if a.quick else \
@@ -432,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         eng.generate([warm], SamplingParams(max_tokens=24), num_speculative_tokens=4)
     results = run_prompts(rows, prompts, ids, {"greedy": greedy_rows, "sampled": sampled_rows}, max_tokens)
 
-    out = {"config": {"max_tokens": max_tokens, "prompts": len(prompts), "threads": a.threads, "quick": a.quick,
+    out = {"config": {"max_tokens": max_tokens, "prompts": len(prompts) // max(1, a.reps), "reps": max(1, a.reps),
+                      "threads": a.threads, "quick": a.quick,
                       "verifier": a.verifier, "draft": a.draft, "dtype": a.dtype,
                       "quantized": any(getattr(m, "quantized", False) for m in base.verifier.runner.model.modules()),
                       "torch": torch.__version__, "machine": machine(),
