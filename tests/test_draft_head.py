@@ -235,6 +235,32 @@ def test_drafts_past_the_first_need_a_path_that_sure(tiny_target, width):
                 assert max(_depth(parents, j) for j in kept) == 4  # sure all the way down
 
 
+@pytest.mark.parametrize("p,steps,kept", [(0.6, 1, 1), (0.75, 2, 2), (0.9, 4, 4)])
+def test_a_chain_steps_on_only_where_its_next_draft_could_be_kept(tiny_target, p, steps, kept):
+    """Past a draft the head takes another step only where its path times NEXT_DRAFT_CONFIDENCE
+    (0.7) still reaches the floor (0.5): at 0.6 a second draft would need a surer guess than 0.83
+    to be kept, so none is made; at 0.75 the second (0.56) is made and kept, a third would need
+    0.89; at 0.9 the path stays sure for all four."""
+    from specdec.protocol import ProposeRequest
+
+    head = _random_head(tiny_target)
+    prop = FeatureHeadProposer(head)
+    step, calls = prop._step, []
+
+    def constant(feat, tok):  # the head's own step, its confidence fixed at p
+        calls.append(1)
+        feat, logits, best, _ = step(feat, tok)
+        return feat, logits, best, torch.full_like(best, p, dtype=torch.float32)
+
+    prop._step = constant
+    feat = torch.randn(tiny_target.args.dim, generator=torch.Generator().manual_seed(0))
+    [out] = prop.propose([ProposeRequest("s", [5, 7], 4, SamplingParams(), feat, 0.5)])
+    assert len(calls) == steps and len(out.token_ids) == kept
+    calls.clear()
+    [out] = prop.propose([ProposeRequest("s", [5, 7], 4, SamplingParams(), feat, 0.0)])  # no floor: K deep
+    assert len(calls) == 4 and len(out.token_ids) == 4
+
+
 def _depth(parents, j):
     return 1 if parents[j] == -1 else 1 + _depth(parents, parents[j])
 

@@ -8,8 +8,9 @@ first round) gets no drafts.
 
 With a tree width w > 1 it drafts a token tree instead: K deep, the w likeliest paths kept at
 each depth (`_trees`). Every draft carries its confidence (the head's probability of its path).
-A chain or tree goes past its first draft only where that reaches the request's min_confidence,
-and adaptive speculation then keeps only the drafts worth verifying (specdec.confidence)."""
+A chain or tree keeps a draft past its first only where that reaches the request's min_confidence,
+and steps on only where the next draft could (specdec.confidence); adaptive speculation then
+keeps only the drafts worth verifying."""
 from __future__ import annotations
 
 import copy
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from specdec.confidence import NEXT_DRAFT_CONFIDENCE
 from specdec.models.compiled import CompiledMethod
 from specdec.models.draft_head import DraftHead
 from specdec.models.llama import Transformer
@@ -148,8 +150,8 @@ class FeatureHeadProposer:
 
 def _deepens(ks: list[int], depth: int, best: list[float], floors: list[float]) -> bool:
     """Some row may draft past `depth` (its K allows it) along a path whose probability, best[b],
-    reaches its floor."""
-    return any(k > depth and p >= f for k, p, f in zip(ks, best, floors))
+    stays at its floor with a next draft of NEXT_DRAFT_CONFIDENCE (with no floor: always)."""
+    return any(k > depth and p * NEXT_DRAFT_CONFIDENCE >= f for k, p, f in zip(ks, best, floors))
 
 
 def _preorder(nodes: list[tuple[int, int, float]]) -> Proposal:
