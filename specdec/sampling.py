@@ -55,8 +55,8 @@ class SamplingParams:
 def logits_to_probs(logits: Tensor, p: SamplingParams | list[SamplingParams]) -> Tensor:
     """[N, V] logits -> [N, V] probabilities under temperature, top-k and top-p (fp32), with one
     SamplingParams for all rows or one per row: a batch's rows are transformed together, each by
-    its own request's parameters, in a handful of ops whatever the batch (on a CPU with AVX-512,
-    in one kernel call: specdec/models/kernels/sampling.cpp, the same transform).
+    its own request's parameters, in a handful of ops whatever the batch (on a CPU with AVX2 or
+    AVX-512, in one kernel call: specdec/models/kernels/sampling.cpp, the same transform).
 
     Scaled in log space from each row's maximum: (logit - max) / T is 0 for the likeliest token
     and finite or -inf for the rest at any temperature, so no row ever holds inf - inf. A row

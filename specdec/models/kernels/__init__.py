@@ -85,10 +85,10 @@ def load(verbose: bool = False) -> bool:
 def sampling_fused(t: Tensor) -> bool:
     """Whether sampling.cpp takes this tensor: one on the CPU, where the kernels build with AVX2 or
     AVX-512 (without vectors its loops are no faster than torch's ops)."""
-    if t.device.type != "cpu" or not load():
+    if t.device.type != "cpu":
         return False
-    if "sampling" not in _state:
-        _state["sampling"] = torch.ops.specdec_sampling.sampling_isa() != "scalar"
+    if "sampling" not in _state:  # decided once: this is asked on every sampled pass
+        _state["sampling"] = load() and torch.ops.specdec_sampling.sampling_isa() != "scalar"
     return bool(_state["sampling"])
 
 

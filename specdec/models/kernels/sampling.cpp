@@ -1,5 +1,5 @@
 // The sampled verifier's per-row work over the vocabulary (specdec/sampling.py, rejection_sampler.py)
-// in one or two passes a row. In torch the same transform is ~20 ops, each a pass over the
+// in one or two passes a row. In torch the same transform is ~25 ops, each a pass over the
 // 49k-wide row with its own allocation: ~0.6 ms of a ~7 ms sampled step here, the rejection
 // sampler's draw another ~0.3 ms, against ~0.1 ms for a greedy step's argmax.
 //
