@@ -53,6 +53,25 @@ inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, 
 
 inline int64_t group_bytes(int64_t bits) { return bits == 4 ? 4 * CHUNK : 8 * CHUNK; }
 
+#if defined(__x86_64__) || defined(_M_X64)
+// How far ahead in a weight's stream a tile loop asks for bytes. The hardware prefetcher alone
+// kept a pass over the verifier's layers well under this machine's read bandwidth: asking 8 KB
+// ahead took them from 2.18 to 1.89 ms for 1 row and from 2.34 to 1.89 ms for 2 (AVX-512; the
+// AVX2 build 2.26 -> 1.70 and 2.84 -> 2.09 ms; 4 KB or 12-24 KB ahead gained less), and the
+// 8-bit LM head from 0.58 to 0.50 ms.
+constexpr int64_t PREFETCH_BYTES = 8192;
+
+// asks for the group PREFETCH_BYTES after group g: its weight bytes, scales and mins (a prefetch
+// never faults, so the loop asks past the end of its tile and of the tensor alike)
+inline void prefetch_ahead(const uint8_t* wp, const uint16_t* sc, const uint16_t* mn, int64_t g, int64_t gb) {
+  const int64_t ahead = g + PREFETCH_BYTES / gb;
+  const char* q = reinterpret_cast<const char*>(wp + ahead * gb);
+  for (int64_t o = 0; o < gb; o += 64) _mm_prefetch(q + o, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(sc + ahead * TILE), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(mn + ahead * TILE), _MM_HINT_T0);
+}
+#endif
+
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -116,6 +135,7 @@ inline void tile_kernel(const uint8_t* wp, const uint16_t* sc, const uint16_t* m
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i m0f = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; ++g) {
+    prefetch_ahead(wp, sc, mn, g, group_bytes(BITS));
     __m512i w[8];
     if constexpr (BITS == 4) {
       const uint8_t* p = wp + g * 4 * CHUNK;
@@ -161,6 +181,7 @@ inline void half_kernel(const uint8_t* wp, const uint16_t* sc, const uint16_t* m
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i sixteen = _mm256_set1_epi16(16);
   for (int64_t g = 0; g < G; ++g) {
+    if (h == 0) prefetch_ahead(wp, sc, mn, g, group_bytes(BITS));  // the second half reads the same lines
     // int16 sums of u4 x s8 pairs: |8 chunks x 2 x 15 x 127| = 30480 < 32768, so no saturation
     __m256i lo16[R], hi16[R];
     for (int r = 0; r < R; ++r) lo16[r] = hi16[r] = _mm256_setzero_si256();
