@@ -291,3 +291,52 @@ def test_kernel_sources_compile_for_the_other_cpus(march):
     if "bad value" in r.stderr:
         pytest.skip(f"this compiler does not know -march={march}")
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+AVX2_RUNS = """
+import sys, torch
+from specdec.models import kernels
+kernels.CFLAGS = [f if f != "-march=native" else "-march=haswell" for f in kernels.CFLAGS]
+assert kernels.load(), kernels.unavailable_reason()
+sys.path.insert(0, sys.argv[1])
+from test_kernels import _attention_cases
+assert torch.ops.specdec_attention.attend_isa() == "avx2", torch.ops.specdec_attention.attend_isa()
+torch.save(_attention_cases(), sys.argv[2])
+"""
+
+
+def _attention_cases() -> list[torch.Tensor]:
+    """Outputs of runs across chunk edges, windows, head sizes and a token tree (vectors, not tiles)."""
+    before = torch.ops.specdec_attention.attend_allow_tiles(False)
+    outs = []
+    for n, window, hd, start, length in [(9, 0, 64, 100, 130), (21, 0, 64, 250, 420), (21, 200, 64, 250, 420),
+                                         (7, 16, 96, 100, 130), (7, 0, 128, 100, 130), (7, 16, 256, 100, 130)]:
+        q, k, v, kc, vc, meta, w, scale, cap = _attention_case(n, window, hd=hd, start=start, length=length)
+        outs.append(torch.ops.specdec_attention.attend_tokens(q, k, v, kc, vc, meta, w, scale, cap))
+    q, k, v, kc, vc, _, w, scale, cap = _attention_case(len(TREE), 0, length=160)
+    depth = []
+    for p in TREE:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    meta = torch.tensor([[2, 100 + d, 100 + j, p] for j, (d, p) in enumerate(zip(depth, TREE))])
+    outs.append(torch.ops.specdec_attention.attend_tokens(q, k, v, kc, vc, meta, w, scale, cap))
+    torch.ops.specdec_attention.attend_allow_tiles(before)
+    return outs
+
+
+def test_attention_runs_built_for_avx2_give_the_avx512_bits(tmp_path):
+    """On AVX2-only CPUs the runs take two 8-lane halves for each 16-lane vector, every op and sum
+    in AVX-512's order: a build for them gives this machine's bits (both batch-invariant alike)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.ops.specdec_attention.attend_isa() == "scalar":
+        pytest.skip("no vector runs on this machine")
+    out = tmp_path / "avx2.pt"
+    tests = str(Path(__file__).parent)
+    r = subprocess.run([sys.executable, "-c", AVX2_RUNS, tests, str(out)], capture_output=True, text=True)
+    if "bad value" in r.stderr:
+        pytest.skip("this compiler does not know -march=haswell")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for ours, avx2 in zip(_attention_cases(), torch.load(out)):
+        assert torch.equal(ours, avx2)

@@ -38,11 +38,69 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch doe
   return static_cast<uint16_t>(bits >> 16);
 }
 
-#if defined(__AVX512F__)
+// ---- 16 float lanes: one AVX-512 register, or two AVX2 ones ----
+// The runs below are written once over `vf`. Each op acts lane by lane, and the cross-lane sums
+// (sum16, vsum) take the same tree on both, so AVX2 gives the bits AVX-512 gives.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define ATT_VEC 1
 #include <immintrin.h>
+#endif
 
-inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> 16 float
+#if defined(__AVX512F__)
+using vf = __m512;
+inline vf load16(const uint16_t* p) {  // 16 bfloat16 -> 16 float
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
+inline vf vset1(float x) { return _mm512_set1_ps(x); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a b + c, rounded once
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vscale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p 2^n for whole n
+inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
+inline float vmax_of(vf x) { return _mm512_reduce_max_ps(x); }
+#elif defined(ATT_VEC)
+struct vf {
+  __m256 lo, hi;  // lanes 0-7 and 8-15
+};
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline vf load16(const uint16_t* p) { return {load8(p), load8(p + 8)}; }
+inline vf vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x.lo), _mm256_storeu_ps(p + 8, x.hi); }
+inline vf vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline vf vadd(vf a, vf b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline vf vsub(vf a, vf b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline vf vmul(vf a, vf b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline vf vfma(vf a, vf b, vf c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline vf vmax(vf a, vf b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline vf vround(vf x) {
+  return {_mm256_round_ps(x.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+          _mm256_round_ps(x.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+// p 2^n for whole n in [-126, 127] (exp16's range): 2^n is exact from its exponent bits, so the
+// product rounds as AVX-512's scalef does
+inline __m256 scale8(__m256 p, __m256 n) {
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline vf vscale2(vf p, vf n) { return {scale8(p.lo, n.lo), scale8(p.hi, n.hi)}; }
+inline float vsum(vf x) {  // AVX-512's reduce_add, step by step: halves, quarters, pairs, lanes
+  const __m256 h = _mm256_add_ps(x.hi, x.lo);
+  const __m128 q = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
+  const __m128 r = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(r) + _mm_cvtss_f32(_mm_shuffle_ps(r, r, 1));
+}
+inline float vmax_of(vf x) {  // exact in any order
+  const __m256 h = _mm256_max_ps(x.lo, x.hi);
+  __m128 q = _mm_max_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
+  q = _mm_max_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
+  return std::max(_mm_cvtss_f32(q), _mm_cvtss_f32(_mm_shuffle_ps(q, q, 1)));
 }
 #endif
 
@@ -78,22 +136,22 @@ inline void axpy(float p, const uint16_t* v, float* out, int64_t hd) {  // out +
   for (int64_t d = 0; d < hd; ++d) out[d] += p * bf16_to_float(v[d]);
 }
 
-#if defined(__AVX512F__)
+#if defined(ATT_VEC)
 // e^x for 16 lanes: 2^(n + f) with n = round(x log2 e), 2^f by a degree-6 polynomial (relative
 // error ~2e-7, as good as expf for a softmax); a vector of these costs what one scalar expf does.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);  // in [-0.5, 0.5]
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+inline vf exp16(vf x) {
+  x = vmax(x, vset1(-87.f));
+  const vf t = vmul(x, vset1(1.44269504088896341f));
+  const vf n = vround(t);
+  const vf f = vsub(t, n);  // in [-0.5, 0.5]
+  vf p = vset1(1.535336188319500e-4f);
+  p = vfma(p, f, vset1(1.339887440266574e-3f));
+  p = vfma(p, f, vset1(9.618437357674640e-3f));
+  p = vfma(p, f, vset1(5.550332471162809e-2f));
+  p = vfma(p, f, vset1(2.402264791363012e-1f));
+  p = vfma(p, f, vset1(6.931472028550421e-1f));
+  p = vfma(p, f, vset1(1.f));
+  return vscale2(p, n);
 }
 #endif
 
@@ -101,10 +159,10 @@ inline __m512 exp16(__m512 x) {
 inline float max_of(const float* x, int64_t n) {
   int64_t j = 0;
   float mx = -INFINITY;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_set1_ps(-INFINITY);
-  for (; j + 16 <= n; j += 16) acc = _mm512_max_ps(acc, _mm512_loadu_ps(x + j));
-  mx = _mm512_reduce_max_ps(acc);
+#if defined(ATT_VEC)
+  vf acc = vset1(-INFINITY);
+  for (; j + 16 <= n; j += 16) acc = vmax(acc, vload(x + j));
+  mx = vmax_of(acc);
 #endif
   for (; j < n; ++j) mx = x[j] > mx ? x[j] : mx;
   return mx;
@@ -114,15 +172,15 @@ inline float max_of(const float* x, int64_t n) {
 inline float exp_shifted(float* scores, int64_t n, float mx) {
   int64_t j = 0;
   float sum = 0.f;
-#if defined(__AVX512F__)
-  const __m512 m = _mm512_set1_ps(mx);
-  __m512 acc = _mm512_setzero_ps();
+#if defined(ATT_VEC)
+  const vf m = vset1(mx);
+  vf acc = vset1(0.f);
   for (; j + 16 <= n; j += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + j), m));
-    _mm512_storeu_ps(scores + j, e);
-    acc = _mm512_add_ps(acc, e);
+    const vf e = exp16(vsub(vload(scores + j), m));
+    vstore(scores + j, e);
+    acc = vadd(acc, e);
   }
-  sum = _mm512_reduce_add_ps(acc);
+  sum = vsum(acc);
 #endif
   for (; j < n; ++j) {
     scores[j] = std::exp(scores[j] - mx);
@@ -193,7 +251,7 @@ void attend_group(const float* q, int64_t G, const uint16_t* k, const uint16_t* 
 
 
 
-#if defined(__AVX512F__)
+#if defined(ATT_VEC)
 // ---- runs: a sequence's consecutive tokens share each key's load and conversion ----
 //
 // A verify pass's K + 1 tokens all read the same keys; a task takes a run of up to RUN tokens of one
@@ -208,7 +266,8 @@ constexpr int64_t BLOCK = 16;  // keys per block
 constexpr int64_t SPAN = 128;  // keys per task: a long context spreads over the threads
 
 // a[0..15]: 16 vectors of partial sums -> lane j holds the sum of a[j]'s lanes, by one fixed tree
-inline __m512 sum16(__m512* a) {
+#if defined(__AVX512F__)
+inline vf sum16(vf* a) {
   __m512 b[8], c[4];
   for (int i = 0; i < 8; ++i)
     b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
@@ -220,6 +279,29 @@ inline __m512 sum16(__m512* a) {
   const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
 }
+#else
+// The same tree on halves: the unpacks act within 128-bit quarters on both, and AVX-512's
+// shuffles of quarters become permutes of the halves' quarters.
+inline __m256 add_quarters(__m256 lo, __m256 hi) {  // 16 lanes in quarters q0..q3 -> [q0 + q1, q2 + q3]
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+inline __m256 add_pairs(__m256 x, __m256 y) {
+  const __m256d u = _mm256_castps_pd(x), v = _mm256_castps_pd(y);
+  return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(u, v)), _mm256_castpd_ps(_mm256_unpackhi_pd(u, v)));
+}
+inline vf sum16(vf* a) {
+  vf b[8], c[4];
+  for (int i = 0; i < 8; ++i) {
+    const vf &x = a[2 * i], &y = a[2 * i + 1];
+    b[i] = {_mm256_add_ps(_mm256_unpacklo_ps(x.lo, y.lo), _mm256_unpackhi_ps(x.lo, y.lo)),
+            _mm256_add_ps(_mm256_unpacklo_ps(x.hi, y.hi), _mm256_unpackhi_ps(x.hi, y.hi))};
+  }
+  for (int i = 0; i < 4; ++i) c[i] = {add_pairs(b[2 * i].lo, b[2 * i + 1].lo), add_pairs(b[2 * i].hi, b[2 * i + 1].hi)};
+  const vf e0 = {add_quarters(c[0].lo, c[0].hi), add_quarters(c[1].lo, c[1].hi)};
+  const vf e1 = {add_quarters(c[2].lo, c[2].hi), add_quarters(c[3].lo, c[3].hi)};
+  return {add_quarters(e0.lo, e0.hi), add_quarters(e1.lo, e1.hi)};
+}
+#endif
 
 struct Run {  // what one task reads and writes
   const float* q;        // [Q][hd] fp32 queries, Q = T * G (token-major)
@@ -254,7 +336,7 @@ inline void widen_block(const Run& R, const uint16_t* src, int64_t base, float* 
       continue;
     }
     const uint16_t* s = src + R.row(base + j) * hd;
-    for (int64_t c = 0; c < hd; c += 16) _mm512_storeu_ps(d + c, load16(s + c));
+    for (int64_t c = 0; c < hd; c += 16) vstore(d + c, load16(s + c));
   }
 }
 
@@ -266,14 +348,14 @@ void score_run(const Run& R, int64_t base, int64_t end, float* kf, float* scores
     for (int64_t r = 0; r < R.T * R.G; ++r) {
       const int64_t t = r / R.G;
       if (R.hi[t] <= b0 || R.lo[t] >= b0 + BLOCK) continue;
-      __m512 q[NV], acc[BLOCK];
-      for (int c = 0; c < NV; ++c) q[c] = _mm512_loadu_ps(R.q + r * NV * 16 + c * 16);
+      vf q[NV], acc[BLOCK];
+      for (int c = 0; c < NV; ++c) q[c] = vload(R.q + r * NV * 16 + c * 16);
       for (int j = 0; j < BLOCK; ++j) {
-        acc[j] = _mm512_mul_ps(q[0], _mm512_loadu_ps(kf + j * NV * 16));
-        for (int c = 1; c < NV; ++c) acc[j] = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(kf + j * NV * 16 + c * 16), acc[j]);
+        acc[j] = vmul(q[0], vload(kf + j * NV * 16));
+        for (int c = 1; c < NV; ++c) acc[j] = vfma(q[c], vload(kf + j * NV * 16 + c * 16), acc[j]);
       }
       float* out = scores + r * span + (b0 - base);
-      _mm512_storeu_ps(out, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(R.scale)));
+      vstore(out, vmul(sum16(acc), vset1(R.scale)));
       if (R.softcap > 0.f)
         for (int64_t j = 0; j < BLOCK; ++j) out[j] = std::tanh(out[j] / R.softcap) * R.softcap;
     }
@@ -454,20 +536,20 @@ bool weigh_run_amx(const Run&, int64_t, int64_t, const float*, int64_t, float*) 
 // o[h] += p[h][j] v[j] for j = j0 .. j1 - 1, h < heads (1 or 2): two heads at once keep twice the
 // independent sums in flight; each head's sum runs over the keys in the same order either way
 template <int NV>
-inline void weigh_block(const float* vf, const float* p, int64_t span, int64_t j0, int64_t j1, int heads, float* o) {
-  __m512 a[NV], a2[NV];
-  for (int c = 0; c < NV; ++c) a[c] = _mm512_loadu_ps(o + c * 16), a2[c] = _mm512_loadu_ps(o + (heads - 1) * NV * 16 + c * 16);
+inline void weigh_block(const float* vals, const float* p, int64_t span, int64_t j0, int64_t j1, int heads, float* o) {
+  vf a[NV], a2[NV];
+  for (int c = 0; c < NV; ++c) a[c] = vload(o + c * 16), a2[c] = vload(o + (heads - 1) * NV * 16 + c * 16);
   const float* p2 = p + (heads - 1) * span;
   for (int64_t j = j0; j < j1; ++j) {
-    const __m512 pj = _mm512_set1_ps(p[j]), pj2 = _mm512_set1_ps(p2[j]);
+    const vf pj = vset1(p[j]), pj2 = vset1(p2[j]);
     for (int c = 0; c < NV; ++c) {
-      const __m512 vj = _mm512_loadu_ps(vf + j * NV * 16 + c * 16);
-      a[c] = _mm512_fmadd_ps(pj, vj, a[c]);
-      a2[c] = _mm512_fmadd_ps(pj2, vj, a2[c]);
+      const vf vj = vload(vals + j * NV * 16 + c * 16);
+      a[c] = vfma(pj, vj, a[c]);
+      a2[c] = vfma(pj2, vj, a2[c]);
     }
   }
-  for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + (heads - 1) * NV * 16 + c * 16, a2[c]);
-  for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + c * 16, a[c]);
+  for (int c = 0; c < NV; ++c) vstore(o + (heads - 1) * NV * 16 + c * 16, a2[c]);
+  for (int c = 0; c < NV; ++c) vstore(o + c * 16, a[c]);
 }
 
 // out[r] = sum of p[r][j] v[j] over each query's keys, in ascending order
@@ -548,8 +630,8 @@ struct Pass {  // one call's shapes and pointers
 inline void widen_queries(const Pass& P, int64_t i, int64_t g, float* dst) {
   const uint16_t* qi = P.q + (i * P.H + g * P.G) * P.hd;
   int64_t d = 0;
-#if defined(__AVX512F__)
-  for (; d + 16 <= P.G * P.hd; d += 16) _mm512_storeu_ps(dst + d, load16(qi + d));
+#if defined(ATT_VEC)
+  for (; d + 16 <= P.G * P.hd; d += 16) vstore(dst + d, load16(qi + d));
 #endif
   for (; d < P.G * P.hd; ++d) dst[d] = bf16_to_float(qi[d]);
 }
@@ -587,7 +669,7 @@ void attend_per_token(const Pass& P, int64_t longest) {
   });
 }
 
-#if defined(__AVX512F__)
+#if defined(ATT_VEC)
 // tokens i0 .. i0 + T of a run, head g: each query's partial sums over `chunks` chunks (parts, one
 // per stride: m, l, o as attend_part leaves them), merged in ascending order into its output:
 // sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the largest m_c
@@ -746,7 +828,7 @@ at::Tensor attend_tokens(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_
   const int64_t longest = write_caches(P, bits(k), bits(v), kc, vc, k_cache.size(0));
   // always across the thread team, even for one token: run inline, a small call left the team's
   // threads to fall asleep, and waking them for the next matmul cost a 1-token pass ~3 ms here
-#if defined(__AVX512F__)
+#if defined(ATT_VEC)
   if (P.hd == 64 || P.hd == 96 || P.hd == 128 || P.hd == 256) {  // the head sizes of the families served
     attend_by_runs(P);
     return out;
@@ -772,6 +854,8 @@ std::string attend_isa() {
 #endif
 #if defined(__AVX512F__)
   return "avx512";
+#elif defined(ATT_VEC)
+  return "avx2";
 #else
   return "scalar";
 #endif
