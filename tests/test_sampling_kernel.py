@@ -1,6 +1,7 @@
 """The sampling kernel (specdec/models/kernels/sampling.cpp) computes what torch's ops in
-specdec.sampling do: the same probabilities under temperature, top-k and top-p, broken rows
-included, and draws by inverse CDF that skip the rejected draft and never pick a zero."""
+specdec.sampling do: the same probabilities under temperature, top-k and top-p (to float64's
+values, which torch's float32 softmax misses on long-tailed rows), broken rows included, and draws
+by inverse CDF that skip the rejected draft and never pick a zero."""
 import pytest
 import torch
 
@@ -19,6 +20,24 @@ def torch_ops(logits: torch.Tensor, rows: list[SamplingParams]) -> torch.Tensor:
     return _probs(logits, inv_t, [r.top_k if r.top_k < logits.shape[-1] else 0 for r in rows], [r.top_p for r in rows])
 
 
+def exact_probs(logits: torch.Tensor, rows: list[SamplingParams]) -> torch.Tensor:
+    """logits_to_probs's transform in float64, row by row: what its float32 results approximate."""
+    out = []
+    for x, r in zip(logits.double(), rows):
+        x = (x - x.max()) / r.temperature
+        if 0 < r.top_k < len(x):
+            x = x.masked_fill(x < x.topk(r.top_k).values[-1], float("-inf"))
+        p = torch.softmax(x, dim=-1)
+        if r.top_p < 1.0:  # a token stays while the mass before it is under top_p (the first always)
+            v, i = p.sort(descending=True, stable=True)
+            keep = v.cumsum(0) - v < r.top_p
+            keep[0] = True
+            p = torch.zeros_like(p).index_put_((i[keep],), v[keep])
+            p = p / p.sum()
+        out.append(p.float())
+    return torch.stack(out)
+
+
 @pytest.mark.parametrize("vocab", [49152, 1000, 37])
 def test_probabilities_match_torchs_ops(vocab):
     g = torch.Generator().manual_seed(vocab)
@@ -26,6 +45,7 @@ def test_probabilities_match_torchs_ops(vocab):
     logits[:, :3] += 10  # a peaked head, as a model's rows have
     got = logits_to_probs(logits, PARAMS)
     torch.testing.assert_close(got, torch_ops(logits, PARAMS), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got, exact_probs(logits, PARAMS), atol=2e-6, rtol=1e-5)
     assert torch.equal(got > 0, torch_ops(logits, PARAMS) > 0)  # the same tokens kept
 
 
@@ -52,11 +72,21 @@ def test_nuclei_past_the_kernels_thresholds():
     logits[1] += -25 * 0.6931  # ~2^-25 each: under all three
     logits[:, 0] = 0.0
     rows = [SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.0, top_p=0.9999)]
-    got, want = logits_to_probs(logits, rows), torch_ops(logits, rows)
+    got, want = logits_to_probs(logits, rows), exact_probs(logits, rows)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
-    # the nucleus's last few tokens are where the running sums' rounding falls (torch's float32
-    # over ~40k tokens, the kernel's float64): each holds 3e-8 of the mass
+    # the nucleus's last few tokens are where the running sums' rounding falls (float32 e^x over
+    # ~45k tokens): each holds 3e-8 of the mass
     assert ((got > 0) != (want > 0)).sum() <= 4 and ((got > 0).sum(-1) > 20000).all()
+
+
+def test_a_long_tail_keeps_its_mass():
+    """The row's mass adds in double: in float, the lane holding the likeliest token drops every
+    tail token under half its ulp, 1/16 (AVX-512) or 1/8 (AVX2) of a tail of 49151 at 2^-25."""
+    logits = torch.full((1, 49152), -25 * 0.6931)
+    logits[0, 0] = 0.0
+    got = logits_to_probs(logits, [SamplingParams(temperature=1.0)])
+    torch.testing.assert_close(got, exact_probs(logits, [SamplingParams(temperature=1.0)]), atol=1e-7, rtol=1e-5)
+    assert abs(got.double().sum().item() - 1.0) < 1e-6
 
 
 def test_draw_skips_its_token_and_follows_the_rest():

@@ -72,9 +72,12 @@ void keep_top_k(float* v, int64_t V, int64_t k, std::vector<float>& scratch) {
 }
 
 // v[j] = e^v[j] for v <= 0, as 0 below -87 (where float's e^x leaves its normal range); returns
-// the row's mass and, in above[t], the mass at or above THRESHOLDS[t]
-float exps(float* v, int64_t V, float above[3]) {
-  float sum = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f;
+// the row's mass and, in above[t], the mass at or above THRESHOLDS[t]. The masses add in double: in
+// float a lane holding the likeliest token's 1 drops every addend under half its ulp (2^-24), which
+// on a row with a long tail lost 1/8 (AVX2) or 1/16 (AVX-512) of the tail, 1.8e-4 of the mass
+// (tests/test_sampling_kernel.py's row of 49151 tokens at 2^-25).
+double exps(float* v, int64_t V, double above[3]) {
+  double sum = 0.0, a0 = 0.0, a1 = 0.0, a2 = 0.0;
 #pragma omp simd reduction(+ : sum, a0, a1, a2)
   for (int64_t j = 0; j < V; ++j) {
     const float x = v[j];
@@ -92,7 +95,7 @@ float exps(float* v, int64_t V, float above[3]) {
 // e (unnormalised, sum z) -> the nucleus: the likeliest tokens while the mass before them is
 // under top_p, renormalised, the rest 0. Only tokens at or above a threshold whose mass reaches
 // top_p can be in it, so only they are sorted.
-void nucleus(float* e, int64_t V, float z, const float above[3], float top_p, std::vector<std::pair<float, int32_t>>& cand) {
+void nucleus(float* e, int64_t V, double z, const double above[3], float top_p, std::vector<std::pair<float, int32_t>>& cand) {
   const double target = static_cast<double>(top_p) * z;
   float floor_e = 0.f;  // candidates: e >= floor_e (and e > 0)
   for (int t = 2; t >= 0; --t)
@@ -117,10 +120,10 @@ void probs_row(const float* x, float* out, int64_t V, float inv_t, int64_t top_k
   thread_local std::vector<float> scratch;
   thread_local std::vector<std::pair<float, int32_t>> cand;
   if (top_k > 0 && top_k < V) keep_top_k(out, V, top_k, scratch);
-  float above[3];
-  const float z = exps(out, V, above);
+  double above[3];
+  const double z = exps(out, V, above);
   if (top_p < 1.f) return nucleus(out, V, z, above, top_p, cand);
-  const float inv = 1.f / z;
+  const float inv = static_cast<float>(1.0 / z);
 #pragma omp simd
   for (int64_t j = 0; j < V; ++j) out[j] *= inv;
 }
