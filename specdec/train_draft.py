@@ -262,11 +262,16 @@ def make_data(args, model, hf_tok) -> dict:
 # ---------------------------------------------------------------------------------------------
 # training
 # ---------------------------------------------------------------------------------------------
-def choose_vocab(labels: Tensor, size: int, vocab_size: int, forced: list[int]) -> Tensor:
-    """The `size` most frequent verifier labels (forced ids first), sorted by id."""
+def choose_vocab(labels: Tensor, size: int, vocab_size: int, forced: list[int], within: Tensor | None = None) -> Tensor:
+    """The `size` most frequent verifier labels (forced ids first), sorted by id; only ids of
+    `within` where given."""
     counts = torch.bincount(labels.clamp_min(0), minlength=vocab_size).float()
     counts[forced] = float("inf")
-    size = min(size, vocab_size)
+    if within is not None:
+        keep = torch.full_like(counts, -1.0)
+        keep[within] = counts[within]
+        counts = keep
+    size = min(size, vocab_size if within is None else len(within))
     return counts.topk(size).indices.sort().values
 
 
@@ -354,7 +359,7 @@ def evaluate(head, data, idx: Tensor, label_map, args, rows: int = 1024) -> tupl
     return loss / n, [round(a / n, 4) for a in accs]
 
 
-INFO_ARGS = ("gen_prompts", "gen_max_tokens", "gen_sampled", "gen_temperature", "prefill_tokens", "data_dtype", "draft_vocab", "hidden", "blocks", "steps",
+INFO_ARGS = ("gen_prompts", "gen_max_tokens", "gen_sampled", "gen_temperature", "prefill_tokens", "data_dtype", "draft_vocab", "keep_vocab", "hidden", "blocks", "steps",
              "train_minutes", "batch_size", "unroll", "lr", "ce_weight", "kd_weight", "reg_weight", "seed")
 
 
@@ -409,6 +414,11 @@ def train(args, model, data: dict, hf_tok=None):
         if step % args.eval_every == 0:
             _eval_and_save(head, data, val_idx, val_gen, label_map, args, log, step, ema, t0)
     bar.close()
+    if args.keep_vocab < len(vocab_ids):  # the saved head drafts from the most frequent of its tokens
+        head.keep_vocab(choose_vocab(data["labels"], args.keep_vocab, a.vocab_size, forced, within=vocab_ids))
+        label_map.fill_(-1)
+        label_map[head.vocab_ids.cpu()] = torch.arange(len(head.vocab_ids))
+        log["kept_vocab_coverage"] = round(float(torch.isin(data["labels"], head.vocab_ids.cpu()).float().mean()), 4)
     _eval_and_save(head, data, val_idx, val_gen, label_map, args, log, step, ema, t0)
     return head, log
 
@@ -452,7 +462,11 @@ def parse_args(argv):
     g.add_argument("--data-dtype", default="auto", help="the verifier's dtype while making data: the features "
                    "and labels the head learns are those of the verifier it will serve ('auto', as served)")
     g = p.add_argument_group("model")
-    g.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size")
+    g.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size in training")
+    g.add_argument("--keep-vocab", type=int, default=4096,
+                   help="draft vocabulary the saved head keeps: the most frequent of the trained one (a drafting "
+                        "step reads one LM-head row per token: 4096 of 8192 ran greedy ~1%% and sampled ~2%% faster at "
+                        "the same tokens per pass)")
     g.add_argument("--hidden", type=int, default=1536, help="SwiGLU width of each block")
     g.add_argument("--blocks", type=int, default=2, help="residual blocks")
     g.add_argument("--feature-layers", default="auto", help="verifier layers (0-based, comma separated) whose outputs the "
@@ -482,6 +496,7 @@ def parse_args(argv):
         args.gen_prompts, args.gen_max_tokens, args.gen_batch = min(args.gen_prompts, 6), min(args.gen_max_tokens, 12), 6
         args.prefill_tokens, args.prefill_doc_tokens, args.max_len = min(args.prefill_tokens, 300), 150, 512
         args.draft_vocab, args.hidden, args.blocks = min(args.draft_vocab, 128), min(args.hidden, 64), min(args.blocks, 1)
+        args.keep_vocab = min(args.keep_vocab, 96)
         args.steps, args.batch_size, args.eval_every, args.warmup = min(args.steps, 8), min(args.batch_size, 16), 10**9, 2
         args.val_rows = min(args.val_rows, 64)
         if args.out is None:

@@ -27,6 +27,8 @@ def test_tiny_training_end_to_end(tmp_path, tiny_target):
     assert (out / "config.json").exists() and (out / "draft_head.safetensors").exists()
     head = DraftHead.load(out, tiny_target)
     assert head.cfg.train_info["steps"] > 0
+    # trained over 128 tokens, it keeps the 96 most frequent of them
+    assert head.cfg.draft_vocab_size == 96 == len(head.vocab_ids) and head.cfg.train_info["args"]["draft_vocab"] == 128
     assert head.cfg.feature_layers == [0] and head.fuse is not None  # 'auto': the tiny verifier's first layer
     data = torch.load(tmp_path / "data" / "data.pt", weights_only=False)
     assert data["feats"].shape[1] == 2 * tiny_target.args.dim  # layer 0's output, then the last layer's
@@ -45,6 +47,22 @@ def test_tiny_training_end_to_end(tmp_path, tiny_target):
                  "--data-dir", str(tmp_path / "data"), "--quiet"]) == 0
     assert DraftHead.load(last, tiny_target).fuse is None
     tiny_target.feature_layers = ()  # as the fixture was
+
+
+def test_a_kept_vocabulary_scores_its_tokens_as_before(tmp_path, tiny_target):
+    """keep_vocab drops LM-head rows, not what the kept ones score; saved and loaded, it stays."""
+    head = _random_head(tiny_target)
+    dev = tiny_target.embed.weight.device
+    f = head(torch.randn(4, tiny_target.args.dim, device=dev), torch.tensor([5, 6, 7, 8], device=dev))
+    full = head.draft_logits(f)
+    keep = torch.arange(0, len(head.vocab_ids), 3, device=dev)
+    head.keep_vocab(head.vocab_ids[keep])
+    assert head.cfg.draft_vocab_size == len(keep)
+    torch.testing.assert_close(head.draft_logits(f), full[:, keep])
+    head.save(tmp_path)
+    assert torch.equal(DraftHead.load(tmp_path, tiny_target).vocab_ids, head.vocab_ids)
+    with pytest.raises(ValueError, match="within the head's vocabulary"):
+        head.keep_vocab(torch.tensor([tiny_target.args.vocab_size - 1, 0], device=dev))
 
 
 def test_save_load_roundtrip(tmp_path, tiny_target):

@@ -124,21 +124,26 @@ class DraftHead(nn.Module):
         """Multiply in 8 bits per group of 32 (models.kernels), as the verifier's LM head does: a
         drafting step reads the head's ~11 M weights once per token, and in bfloat16 that step cost
         a fifth of a verifier pass here, more than the drafts it made saved."""
-        def q8(lin: nn.Linear | None, weight: Tensor | None = None) -> Linear:
-            w = lin.weight if lin is not None else weight  # [out, in]
-            out = Linear(w.shape[1], w.shape[0], bias=lin is not None and lin.bias is not None).to(w.dtype)
-            out.weight_t.copy_(w.t())
-            if out.bias is not None:
-                out.bias.copy_(lin.bias)
-            out.quantize_int8()
-            return out
-
-        self.fc = q8(self.fc)
+        self.fc = _int8(self.fc)
         if self.fuse is not None:
-            self.fuse.proj = q8(self.fuse.proj)
+            self.fuse.proj = _int8(self.fuse.proj)
         for blk in self.blocks:
-            blk.w13, blk.w2 = q8(blk.w13), q8(blk.w2)
-        self.head_q8 = q8(None, self.head_weight)
+            blk.w13, blk.w2 = _int8(blk.w13), _int8(blk.w2)
+        self.head_q8 = _int8(None, self.head_weight)
+
+    @torch.no_grad()
+    def keep_vocab(self, ids: Tensor) -> None:
+        """Draft from `ids` only, sorted ids within the head's vocabulary: fewer LM-head rows for
+        each drafting step to read. The trained part does not depend on the vocabulary."""
+        ids = ids.to(self.vocab_ids.device)
+        pos = torch.searchsorted(self.vocab_ids, ids).clamp_max(len(self.vocab_ids) - 1)
+        if not torch.equal(self.vocab_ids[pos], ids):
+            raise ValueError("keep_vocab: ids must be sorted and within the head's vocabulary")
+        self.vocab_ids, self.cfg.draft_vocab_size = ids.clone(), len(ids)
+        if self.head_weight.numel():  # attached: its LM-head rows follow
+            self.head_weight = self.head_weight[pos].contiguous()
+            if self.head_q8 is not None:
+                self.head_q8 = _int8(None, self.head_weight)
 
     # -- compute -------------------------------------------------------------------------------
     def forward(self, feature: Tensor, token: Tensor) -> Tensor:
@@ -200,3 +205,14 @@ class DraftHead(nn.Module):
         if missing or unexpected:
             raise ValueError(f"draft head weights do not match the config: missing {missing}, unexpected {unexpected}")
         return head.attach(verifier).eval().requires_grad_(False)
+
+
+def _int8(lin: nn.Linear | None, weight: Tensor | None = None) -> Linear:
+    """A linear layer (or a bare weight [out, in]) as specdec's Linear multiplying in 8 bits."""
+    w = lin.weight if lin is not None else weight
+    out = Linear(w.shape[1], w.shape[0], bias=lin is not None and lin.bias is not None).to(w.dtype)
+    out.weight_t.copy_(w.t())
+    if out.bias is not None:
+        out.bias.copy_(lin.bias)
+    out.quantize_int8()
+    return out
