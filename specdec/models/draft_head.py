@@ -122,7 +122,7 @@ class DraftHead(nn.Module):
     @torch.no_grad()
     def quantize_int8(self) -> None:
         """Multiply in 8 bits per group of 32 (models.kernels), as the verifier's LM head does: a
-        drafting step reads the head's ~11 M weights once per token, and in bfloat16 that step cost
+        drafting step reads the head's ~9 M weights once per token, and in bfloat16 that step cost
         a fifth of a verifier pass here, more than the drafts it made saved."""
         self.fc = _int8(self.fc)
         if self.fuse is not None:
