@@ -116,7 +116,7 @@ def main() -> None:
     if a.march:
         from specdec.models import kernels
 
-        kernels.CFLAGS = [f"-march={a.march}" if f == "-march=native" else f for f in kernels.CFLAGS]
+        kernels.build_for(a.march)
     res = measure([int(d) for d in a.depths.split(",")], a.tokens, a.reps, a.threads, peer_row=not a.march)
     dest = ROOT / "bench" / "results"
     meta = {"threads": a.threads, "tokens": a.tokens, "reps": a.reps, "torch": torch.__version__, "machine": machine(),

@@ -275,6 +275,13 @@ def choose_vocab(labels: Tensor, size: int, vocab_size: int, forced: list[int], 
     return counts.topk(size).indices.sort().values
 
 
+def draft_index(vocab_ids: Tensor, vocab_size: int) -> Tensor:
+    """[vocab_size]: each verifier token's index in the draft vocabulary, -1 outside it."""
+    index = torch.full((vocab_size,), -1, dtype=torch.long)
+    index[vocab_ids] = torch.arange(len(vocab_ids))
+    return index
+
+
 class Batches:
     """Samples start positions i such that i+1..i+U lie in the same document."""
 
@@ -377,8 +384,7 @@ def train(args, model, data: dict, hf_tok=None):
                           vocab_size=a.vocab_size, verifier=args.verifier, feature_layers=list(args.feature_layers))
     head = DraftHead(cfg, vocab_ids).attach(model).float()
     head.train()
-    label_map = torch.full((a.vocab_size,), -1, dtype=torch.long)
-    label_map[vocab_ids] = torch.arange(len(vocab_ids))
+    label_map = draft_index(vocab_ids, a.vocab_size)
     batches = Batches(data, args.unroll, args.val_frac, args.seed)
     val_idx = batches.val[torch.randperm(len(batches.val), generator=torch.Generator().manual_seed(1))[: args.val_rows]]
     val_gen = batches.val_gen[torch.randperm(len(batches.val_gen), generator=torch.Generator().manual_seed(2))[: args.val_rows]]
@@ -416,8 +422,7 @@ def train(args, model, data: dict, hf_tok=None):
     bar.close()
     if args.keep_vocab < len(vocab_ids):  # the saved head drafts from the most frequent of its tokens
         head.keep_vocab(choose_vocab(data["labels"], args.keep_vocab, a.vocab_size, forced, within=vocab_ids))
-        label_map.fill_(-1)
-        label_map[head.vocab_ids.cpu()] = torch.arange(len(head.vocab_ids))
+        label_map = draft_index(head.vocab_ids.cpu(), a.vocab_size)
         log["kept_vocab_coverage"] = round(float(torch.isin(data["labels"], head.vocab_ids.cpu()).float().mean()), 4)
     _eval_and_save(head, data, val_idx, val_gen, label_map, args, log, step, ema, t0)
     return head, log

@@ -243,6 +243,14 @@ def test_attention_kernel_is_batch_invariant(tiles, n_tokens, window, start, len
 TREE = [-1, 0, 1, 0, 3, 1, 2, 6, 7, 8, 9]  # parents of a draft tree's nodes: branches, and a chain past a run's length
 
 
+def tree_meta(start: int) -> torch.Tensor:
+    """meta of TREE's nodes in slot 2, rows from `start`, each node at its depth's position."""
+    depth = []
+    for p in TREE:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return torch.tensor([[2, start + d, start + j, p] for j, (d, p) in enumerate(zip(depth, TREE))])
+
+
 @pytest.mark.parametrize("window,hd,start", [(0, 64, 100), (8, 64, 100), (0, 96, 100), (8, 48, 100),  # 48: per token
                                              (0, 64, 122)])  # a tree across a chunk edge
 def test_attention_over_a_token_tree_gives_each_node_its_paths_bits(tiles, window, hd, start):
@@ -251,10 +259,7 @@ def test_attention_over_a_token_tree_gives_each_node_its_paths_bits(tiles, windo
     from specdec.models import token_pass
 
     q, k, v, kc, vc, _, w, scale, cap = _attention_case(len(TREE), window, hd=hd, length=160)
-    depth = []
-    for p in TREE:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    meta = torch.tensor([[2, start + d, start + j, p] for j, (d, p) in enumerate(zip(depth, TREE))])
+    meta = tree_meta(start)
     kc_t, vc_t, kc_r, vc_r = kc.clone(), vc.clone(), kc.clone(), vc.clone()
     tree = torch.ops.specdec_attention.attend_tokens(q, k, v, kc_t, vc_t, meta, w, scale, cap)
     ref = token_pass.attend_tokens(q, k, v, kc_r, vc_r, meta, w, scale, cap)
@@ -296,7 +301,7 @@ def test_kernel_sources_compile_for_the_other_cpus(march):
 AVX2_RUNS = """
 import sys, torch
 from specdec.models import kernels
-kernels.CFLAGS = [f if f != "-march=native" else "-march=haswell" for f in kernels.CFLAGS]
+kernels.build_for("haswell")
 assert kernels.load(), kernels.unavailable_reason()
 sys.path.insert(0, sys.argv[1])
 from test_kernels import _attention_cases
@@ -314,11 +319,7 @@ def _attention_cases() -> list[torch.Tensor]:
         q, k, v, kc, vc, meta, w, scale, cap = _attention_case(n, window, hd=hd, start=start, length=length)
         outs.append(torch.ops.specdec_attention.attend_tokens(q, k, v, kc, vc, meta, w, scale, cap))
     q, k, v, kc, vc, _, w, scale, cap = _attention_case(len(TREE), 0, length=160)
-    depth = []
-    for p in TREE:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    meta = torch.tensor([[2, 100 + d, 100 + j, p] for j, (d, p) in enumerate(zip(depth, TREE))])
-    outs.append(torch.ops.specdec_attention.attend_tokens(q, k, v, kc, vc, meta, w, scale, cap))
+    outs.append(torch.ops.specdec_attention.attend_tokens(q, k, v, kc, vc, tree_meta(100), w, scale, cap))
     torch.ops.specdec_attention.attend_allow_tiles(before)
     return outs
 

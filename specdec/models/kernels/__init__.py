@@ -49,6 +49,13 @@ def _cpu_flags() -> str:
     return platform.machine() + " " + platform.processor()
 
 
+def build_for(march: str) -> None:
+    """Build the kernels for gcc's -march=`march` rather than this CPU (e.g. haswell: AVX2 without
+    AVX-512), to run another machine's paths here; before the first load() of the process."""
+    global CFLAGS
+    CFLAGS = [f"-march={march}" if f == "-march=native" else f for f in CFLAGS]
+
+
 def build_dir() -> Path:
     from specdec.models.default import specdec_home
 
