@@ -129,6 +129,30 @@ def calibrate(target, base, draft_layers, prompts, max_tokens, want: float, step
     return best
 
 
+def measure_cell(engines: dict, ps: list[list[int]], a) -> dict:
+    """Every row's runs at len(ps) concurrent sequences, order alternating against drift: the
+    table cell: median tok/s, speedup against K=0, acceptance, identity with K=0."""
+    res = {r: [] for r in a.rows}
+    for r, eng in engines.items():  # warm-up: kernels, allocator, adaptive K's cost fits
+        run(eng, ps, 24, None)
+    for rep in range(a.reps):
+        for r in (a.rows if rep % 2 == 0 else a.rows[::-1]):
+            res[r].append(run(engines[r], ps, a.max_tokens, None))
+    ref = res["k0"][0]["token_ids"]
+    cell = {"users": len(ps)}
+    for r, runs in res.items():
+        tok_s = st.median(x["tok_s"] for x in runs)
+        cell[r] = {"tok_s": round(tok_s, 1), "seconds": [round(x["seconds"], 3) for x in runs],
+                   "verifier_s": [round(x["verifier_s"], 3) for x in runs], "speedup_vs_k0": round(tok_s / st.median(x["tok_s"] for x in res["k0"]), 3),
+                   "acceptance_rate": runs[-1]["acceptance_rate"],
+                   "acceptance_per_position": runs[-1]["acceptance_per_position"],
+                   "mean_accepted_length": runs[-1]["mean_accepted_length"],
+                   "passes": runs[-1]["passes"], "drafted": runs[-1]["drafted"],
+                   # bf16: a near-tie can flip between a (K+1)-token pass and one-token passes
+                   "same_tokens_as_k0": sum(x == y for x, y in zip(runs[-1]["token_ids"], ref))}
+    return cell
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -166,24 +190,7 @@ def main() -> int:
         engines = {r: engine(t, d, 8 if r == "adaptive" else int(r[1:]), r == "adaptive") for r in a.rows}
         for users in a.users:
             ps = prompts[:users]
-            res = {r: [] for r in a.rows}
-            for r, eng in engines.items():  # warm-up: kernels, allocator, adaptive K's cost fits
-                run(eng, ps, 24, None)
-            for rep in range(a.reps):
-                for r in (a.rows if rep % 2 == 0 else a.rows[::-1]):  # alternate order against drift
-                    res[r].append(run(engines[r], ps, a.max_tokens, None))
-            ref = res["k0"][0]["token_ids"]
-            cell = {"users": users}
-            for r, runs in res.items():
-                tok_s = st.median(x["tok_s"] for x in runs)
-                cell[r] = {"tok_s": round(tok_s, 1), "seconds": [round(x["seconds"], 3) for x in runs],
-                           "verifier_s": [round(x["verifier_s"], 3) for x in runs], "speedup_vs_k0": round(tok_s / st.median(x["tok_s"] for x in res["k0"]), 3),
-                           "acceptance_rate": runs[-1]["acceptance_rate"],
-                           "acceptance_per_position": runs[-1]["acceptance_per_position"],
-                           "mean_accepted_length": runs[-1]["mean_accepted_length"],
-                           "passes": runs[-1]["passes"], "drafted": runs[-1]["drafted"],
-                           # bf16: a near-tie can flip between a (K+1)-token pass and one-token passes
-                           "same_tokens_as_k0": sum(x == y for x, y in zip(runs[-1]["token_ids"], ref))}
+            cell = measure_cell(engines, ps, a)
             pair["cells"].append(cell)
             print(f"a1~{cal['a1']:.2f} users {users}: " + ", ".join(
                 f"{r} {cell[r]['tok_s']:.0f} tok/s ({cell[r]['speedup_vs_k0']:.2f}x, acc {cell[r]['acceptance_rate']:.2f})"

@@ -166,7 +166,7 @@ def in_process_tps(eng, i: int, max_tokens: int) -> float:
     return len(c.token_ids) / c.metrics.latency_s
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tiny", action="store_true", help="tiny random models instead of the default pair")
     ap.add_argument("--users", type=int, nargs="+", default=[1, 4, 16])
@@ -192,7 +192,88 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="ARG=VALUE",
                     help="override an app arg of serve_config.yaml (VALUE parsed as YAML), e.g. --set draft_num_threads=2")
     ap.add_argument("--name", default=None, help="results file bench/results/<name>.json (default serve_load[-tiny])")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def measure_level(a, url, model, users, verifier, ingress, eng, engine_runs: list[float]) -> list[dict]:
+    """A level's reps, speculation on and off alternating first: its two table rows. At 1 user the
+    in-process engine answers each rep's question too (engine_runs)."""
+    reps = {True: [], False: []}
+    sizes = {True: [], False: []}
+    traces = {True: [], False: []}
+    per_user = 1 if users == 1 else a.requests_per_user
+    lengths = tuple(a.vary_tokens) if a.vary_tokens and users > 1 else a.max_tokens
+    for w in range(a.warmup_reps if users > 1 else 0):  # 1 user: the run's own warm-up did it
+        asyncio.run(run_level(url, model, users, per_user, lengths, False, offset=w * users * per_user))
+    for rep in range(a.one_user_reps if users == 1 else a.reps):  # alternate the order so drift favours neither
+        for spec in ((True, False) if rep % 2 == 0 else (False, True)):
+            passes_before = verifier.stats.remote().result()["passes"]
+            rounds_before = ingress.loop_stats.remote().result()["rounds"]
+            reps[spec].append(asyncio.run(run_level(url, model, users, per_user, lengths, spec and not a.control,
+                                                    offset=rep * users * per_user)))
+            vs = verifier.stats.remote().result()
+            # this rep's passes (the replica keeps the last few thousand: a long rep's tail)
+            sizes[spec] += vs["batch_sizes"][-(vs["passes"] - passes_before):] if vs["passes"] > passes_before else []
+            ls = ingress.loop_stats.remote().result()
+            new = ls["rounds"] - rounds_before  # this rep's rounds (at most the trace's length)
+            traces[spec] += ls["recent_rounds"][-new:] if new else []
+        if users == 1:
+            engine_runs.append(in_process_tps(eng, rep, a.max_tokens))
+    # what adaptive K had learned by the end of the level (costs per batch size, acceptance
+    # per position): why a level drafted as much as it did
+    learned = ingress.loop_stats.remote().result().get("adaptive")
+    rows = []
+    for spec in (True, False):
+        row = merge(users, spec, reps[spec])
+        row["verifier_mean_batch_size"] = st.mean(sizes[spec]) if sizes[spec] else 0.0
+        row["rounds"] = round_summary(traces[spec])
+        if spec:
+            row["adaptive_state_after"] = learned
+            row["drafting_rounds_sample"] = [r for r in traces[spec] if any(r["drafted"])][:24]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def summarize(rows: list[dict], engine_runs: list[float], engine_tps: float, users: list[int]) -> dict:
+    """The run's ratios: Serve against in-process at 1 user, 16 users against 1, speculation
+    against K=0 per level."""
+    by = {(r["users"], r["speculation"]): r for r in rows}
+    one = by.get((1, True), {}).get("aggregate_tokens_per_s")
+    # 1-user rep i asks question i of both paths: acceptance, and so speed, depends on the question
+    # far more than on the path, so the ratio is taken per question and then its median
+    paired = [s / e for s, e in zip(by[(1, True)]["aggregate_tokens_per_s_reps"], engine_runs)] if one and engine_runs else []
+    summary = {"in_process_engine_tokens_per_s_1_user": engine_tps,
+               "serve_vs_in_process_1_user": st.median(paired) if paired else None,
+               "serve_vs_in_process_1_user_per_question": paired,
+               "serve_vs_in_process_1_user_paired": paired_ratio(paired) if paired else None,
+               "serve_vs_in_process_1_user_of_medians": one / engine_tps if one else None}
+    if (16, True) in by and one:
+        summary["aggregate_16_vs_1_user"] = by[(16, True)]["aggregate_tokens_per_s"] / one
+        summary["spec_vs_k0_at_16_users"] = by[(16, True)]["aggregate_tokens_per_s"] / by[(16, False)]["aggregate_tokens_per_s"]
+    for u in users:
+        if (u, True) in by and (u, False) in by:
+            on, off = by[(u, True)], by[(u, False)]
+            summary[f"spec_vs_k0_at_{u}_users"] = on["aggregate_tokens_per_s"] / off["aggregate_tokens_per_s"]
+            # rep i's two runs are back to back: their ratio cancels the box's drift, which moves a
+            # level's throughput by a few percent between reps (as much as a tie's medians differ)
+            pairs = [x / y for x, y in zip(on["aggregate_tokens_per_s_reps"], off["aggregate_tokens_per_s_reps"])]
+            summary[f"spec_vs_k0_at_{u}_users_paired"] = paired_ratio(pairs)
+    return summary
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| users | speculation | agg tok/s | p50 s | p99 s | TTFT s | mean verifier batch | acceptance |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['users']} | {'on' if r['speculation'] else 'off (K=0)'} | {r['aggregate_tokens_per_s']:.1f} | "
+                     f"{r['p50_latency_s']:.2f} | {r['p99_latency_s']:.2f} | {r['mean_ttft_s']:.3f} | "
+                     f"{r['verifier_mean_batch_size']:.2f} | {r['acceptance_rate']:.2f} |")
+    return lines
+
+
+def main() -> int:
+    a = parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from ray import serve
 
@@ -208,71 +289,13 @@ def main() -> int:
         ingress = serve.get_deployment_handle("OpenAIIngress", "specdec")
         asyncio.run(run_level(url, model, 1, 1, 16, True))  # warm-up
         for users in a.users:
-            reps = {True: [], False: []}
-            sizes = {True: [], False: []}
-            traces = {True: [], False: []}
-            per_user = 1 if users == 1 else a.requests_per_user
-            lengths = tuple(a.vary_tokens) if a.vary_tokens and users > 1 else a.max_tokens
-            for w in range(a.warmup_reps if users > 1 else 0):  # 1 user: the run's own warm-up did it
-                asyncio.run(run_level(url, model, users, per_user, lengths, False, offset=w * users * per_user))
-            for rep in range(a.one_user_reps if users == 1 else a.reps):  # alternate the order so drift favours neither
-                for spec in ((True, False) if rep % 2 == 0 else (False, True)):
-                    passes_before = verifier.stats.remote().result()["passes"]
-                    rounds_before = ingress.loop_stats.remote().result()["rounds"]
-                    reps[spec].append(asyncio.run(run_level(url, model, users, per_user, lengths, spec and not a.control,
-                                                            offset=rep * users * per_user)))
-                    vs = verifier.stats.remote().result()
-                    # this rep's passes (the replica keeps the last few thousand: a long rep's tail)
-                    sizes[spec] += vs["batch_sizes"][-(vs["passes"] - passes_before):] if vs["passes"] > passes_before else []
-                    ls = ingress.loop_stats.remote().result()
-                    new = ls["rounds"] - rounds_before  # this rep's rounds (at most the trace's length)
-                    traces[spec] += ls["recent_rounds"][-new:] if new else []
-                if users == 1:
-                    engine_runs.append(in_process_tps(eng, rep, a.max_tokens))
-            # what adaptive K had learned by the end of the level (costs per batch size, acceptance
-            # per position): why a level drafted as much as it did
-            learned = ingress.loop_stats.remote().result().get("adaptive")
-            for spec in (True, False):
-                row = merge(users, spec, reps[spec])
-                row["verifier_mean_batch_size"] = st.mean(sizes[spec]) if sizes[spec] else 0.0
-                row["rounds"] = round_summary(traces[spec])
-                if spec:
-                    row["adaptive_state_after"] = learned
-                    row["drafting_rounds_sample"] = [r for r in traces[spec] if any(r["drafted"])][:24]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            rows += measure_level(a, url, model, users, verifier, ingress, eng, engine_runs)
         vstats = verifier.stats.remote().result()
         prefix_cache = {k: vstats.get(k) for k in ("prefix_hits", "prefix_tokens_reused")}
         serve.delete("specdec")
     engine_tps = st.median(engine_runs) if engine_runs else in_process_tps(eng, 0, a.max_tokens)
-    by = {(r["users"], r["speculation"]): r for r in rows}
-    one = by.get((1, True), {}).get("aggregate_tokens_per_s")
-    # 1-user rep i asks question i of both paths: acceptance, and so speed, depends on the question
-    # far more than on the path, so the ratio is taken per question and then its median
-    paired = [s / e for s, e in zip(by[(1, True)]["aggregate_tokens_per_s_reps"], engine_runs)] if one and engine_runs else []
-    summary = {"in_process_engine_tokens_per_s_1_user": engine_tps,
-               "serve_vs_in_process_1_user": st.median(paired) if paired else None,
-               "serve_vs_in_process_1_user_per_question": paired,
-               "serve_vs_in_process_1_user_paired": paired_ratio(paired) if paired else None,
-               "serve_vs_in_process_1_user_of_medians": one / engine_tps if one else None,
-               "verifier_prefix_cache": prefix_cache}
-    if (16, True) in by and one:
-        summary["aggregate_16_vs_1_user"] = by[(16, True)]["aggregate_tokens_per_s"] / one
-        summary["spec_vs_k0_at_16_users"] = by[(16, True)]["aggregate_tokens_per_s"] / by[(16, False)]["aggregate_tokens_per_s"]
-    for u in a.users:
-        if (u, True) in by and (u, False) in by:
-            on, off = by[(u, True)], by[(u, False)]
-            summary[f"spec_vs_k0_at_{u}_users"] = on["aggregate_tokens_per_s"] / off["aggregate_tokens_per_s"]
-            # rep i's two runs are back to back: their ratio cancels the box's drift, which moves a
-            # level's throughput by a few percent between reps (as much as a tie's medians differ)
-            pairs = [x / y for x, y in zip(on["aggregate_tokens_per_s_reps"], off["aggregate_tokens_per_s_reps"])]
-            summary[f"spec_vs_k0_at_{u}_users_paired"] = paired_ratio(pairs)
-    head = "| users | speculation | agg tok/s | p50 s | p99 s | TTFT s | mean verifier batch | acceptance |"
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['users']} | {'on' if r['speculation'] else 'off (K=0)'} | {r['aggregate_tokens_per_s']:.1f} | "
-                     f"{r['p50_latency_s']:.2f} | {r['p99_latency_s']:.2f} | {r['mean_ttft_s']:.3f} | "
-                     f"{r['verifier_mean_batch_size']:.2f} | {r['acceptance_rate']:.2f} |")
+    summary = summarize(rows, engine_runs, engine_tps, a.users) | {"verifier_prefix_cache": prefix_cache}
+    lines = table(rows)
     print("\n".join(lines))
     print(json.dumps(summary, indent=1))
     out = ROOT / "bench" / "results" / f"{a.name or 'serve_load' + ('-tiny' if a.tiny else '')}.json"

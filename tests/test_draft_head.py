@@ -32,6 +32,8 @@ def test_tiny_training_end_to_end(tmp_path, tiny_target):
     assert head.cfg.feature_layers == [0] and head.fuse is not None  # 'auto': the tiny verifier's first layer
     data = torch.load(tmp_path / "data" / "data.pt", weights_only=False)
     assert data["feats"].shape[1] == 2 * tiny_target.args.dim  # layer 0's output, then the last layer's
+    # the verifier wrote user turns of its own (a random model rarely ends one: none may be kept)
+    assert data["meta"]["written_prompts"] == sum(c == "written" for c in data["doc_category"]) / 2 <= 4
     # the frozen parts come from the verifier, the trained part from the file
     assert head.embed_weight.data_ptr() == tiny_target.embed.weight.data_ptr()
     assert torch.equal(head.head_weight, tiny_target.lm_head.weight[head.vocab_ids])
@@ -47,6 +49,15 @@ def test_tiny_training_end_to_end(tmp_path, tiny_target):
                  "--data-dir", str(tmp_path / "data"), "--quiet"]) == 0
     assert DraftHead.load(last, tiny_target).fuse is None
     tiny_target.feature_layers = ()  # as the fixture was
+
+
+def test_written_prompts_keep_each_turn_once_and_none_near_a_benchmark_prompt():
+    from specdec.data.prompts import benchmark_prompts, written_prompts
+
+    bench = next(m["content"] for p in benchmark_prompts() for m in p["messages"] if m["role"] == "user")
+    turns = ["How do tides work?", "  how do TIDES work ", "Hi", f"Please: {bench}", "Name three rivers in Africa."]
+    kept = [p["messages"][0]["content"] for p in written_prompts(turns)]
+    assert kept == ["How do tides work?", "Name three rivers in Africa."]
 
 
 def test_a_kept_vocabulary_scores_its_tokens_as_before(tmp_path, tiny_target):

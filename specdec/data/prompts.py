@@ -12,6 +12,8 @@ Six categories, the same ones as the held-out benchmark set (`specdec/bench/prom
 `training_prompts(n, seed)` returns n prompts interleaved across categories, so any prefix is
 balanced. Nothing here overlaps the benchmark prompts (`benchmark_prompts()`): the benchmark
 topics are kept out of these lists, and `training_prompts` drops any exact benchmark message.
+`written_prompts` keeps the user turns the verifier writes itself (train-draft's second set),
+under the same rule: none shares six words in a row with a benchmark prompt.
 """
 from __future__ import annotations
 
@@ -412,3 +414,24 @@ def training_prompts(n: int | None = None, seed: int = 0, docstrings: bool = Tru
 def benchmark_prompts() -> list[dict]:
     """The held-out benchmark set (never trained on)."""
     return json.loads(BENCH_PATH.read_text()) if BENCH_PATH.exists() else []
+
+
+def _six_grams(text: str) -> set[tuple[str, ...]]:
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i : i + 6]) for i in range(len(words) - 5)}
+
+
+def written_prompts(turns: list[str], min_chars: int = 8) -> list[dict]:
+    """User turns the verifier wrote itself, as prompts `{"category": "written", "messages"}`:
+    each once, none shorter than min_chars, none sharing six words in a row with a benchmark
+    prompt (a turn that close to one would train the head on the benchmark's own answers)."""
+    bench = set().union(*(_six_grams(m["content"]) for p in benchmark_prompts() for m in p["messages"]
+                          if m["role"] == "user"))
+    seen, out = set(), []
+    for text in (t.strip() for t in turns):
+        key = re.sub(r"\W+", " ", text.lower()).strip()
+        if len(text) < min_chars or key in seen or _six_grams(text) & bench:
+            continue
+        seen.add(key)
+        out.append({"category": "written", "messages": [{"role": "user", "content": text}]})
+    return out
