@@ -258,18 +258,21 @@ def pack(docs: list[dict], meta: dict) -> dict:
 def make_data(args, model, hf_tok) -> dict:
     from specdec.data.prompts import training_prompts
 
+    def answer(prompts: list[dict]) -> list[dict]:  # a greedy and --gen-sampled sampled answers each
+        temps = (0.0,) + (args.gen_temperature,) * args.gen_sampled
+        return generation_docs(model, hf_tok, prompts, args.gen_max_tokens, args.gen_batch, args.gen_minutes,
+                               args.max_len, not args.quiet, temps) if prompts else []
+
     t0 = time.time()
-    temps = (0.0,) + (args.gen_temperature,) * args.gen_sampled
-    answer = lambda prompts: generation_docs(model, hf_tok, prompts, args.gen_max_tokens, args.gen_batch,  # noqa: E731
-                                             args.gen_minutes, args.max_len, not args.quiet, temps) if prompts else []
     docs = answer(training_prompts(args.gen_prompts, seed=args.seed, docstrings=not args.tiny) if args.gen_prompts > 0 else [])
     t_gen = time.time() - t0
-    t1 = time.time()
+    t0 = time.time()
     written = write_prompts(model, hf_tok, args.written_prompts, args.gen_batch, seed=7_000_000 + 100_000 * args.seed) \
         if args.written_prompts > 0 else []
-    t_write = time.time() - t1
+    t_write = time.time() - t0
+    t0 = time.time()
     docs += answer(written)
-    t_written = time.time() - t1 - t_write
+    t_written = time.time() - t0
     t1 = time.time()
     if args.prefill_tokens > 0:
         texts = doc_texts(args.seed) if not args.tiny else [("tiny", "The quick brown fox jumps over the lazy dog. " * 8)] * 2

@@ -50,17 +50,20 @@ def verify_cost_curve(runner, ctx_len=200, max_tokens=9, reps=7, batch=1, warmup
     runner.prefill(ids, [c[:-1] for c in ctxs])
     cuda = runner.device.type == "cuda"
     times: dict[int, list[float]] = {t: [] for t in range(1, max_tokens + 1)}
+
+    def one_pass(t: int) -> None:  # the last context token and t - 1 more, then their logits
+        hidden, valid = runner.forward(ids, [c[-1:] + [(500 + i) % V for i in range(t - 1)] for c in ctxs])
+        runner.model.logits(hidden[valid])
+
     for rep in range(warmup + reps):  # interleaved, so drift hits every T alike
         for t in times:
             runner.sync(ids, ctxs, [1] * batch)
-            hidden, valid = runner.forward(ids, [c[-1:] for c in ctxs])
-            runner.model.logits(hidden[valid])
+            one_pass(1)
             runner.sync(ids, ctxs, [t] * batch)
             if cuda:
                 torch.cuda.synchronize(runner.device)
             t0 = time.perf_counter()
-            hidden, valid = runner.forward(ids, [c[-1:] + [(500 + i) % V for i in range(t - 1)] for c in ctxs])
-            runner.model.logits(hidden[valid])
+            one_pass(t)
             if cuda:
                 torch.cuda.synchronize(runner.device)
             if rep >= warmup:
