@@ -95,7 +95,7 @@ def write_prompts(model, hf_tok, n: int, batch: int, max_tokens: int = 96, seed:
             for i in range(n)]
     while eng.active:
         eng.step()
-    return written_prompts([hf_tok.decode(s.output_ids, skip_special_tokens=True) for s in seqs if s.finish_reason == "stop"])
+    return written_prompts([s.text for s in seqs if s.finish_reason == "stop"])  # the engine decoded each turn
 
 
 def generation_docs(model, hf_tok, prompts: list[dict], max_tokens: int, batch: int, minutes: float,
