@@ -298,16 +298,50 @@ def test_kernel_sources_compile_for_the_other_cpus(march):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-AVX2_RUNS = """
+OTHER_BUILD = """
 import sys, torch
 from specdec.models import kernels
-kernels.build_for("haswell")
+kernels.build_for(sys.argv[3])
 assert kernels.load(), kernels.unavailable_reason()
 sys.path.insert(0, sys.argv[1])
-from test_kernels import _attention_cases
-assert torch.ops.specdec_attention.attend_isa() == "avx2", torch.ops.specdec_attention.attend_isa()
-torch.save(_attention_cases(), sys.argv[2])
+from test_kernels import _attention_cases, _matmul_cases
+isa = (kernels.isa(), torch.ops.specdec_attention.attend_isa())
+torch.save({"isa": isa, "attention": _attention_cases(), "matmul": _matmul_cases()}, sys.argv[2])
 """
+
+
+@pytest.fixture(scope="module")
+def other_build(tmp_path_factory):
+    """The kernels' outputs from a build for gcc's -march=`march` (built once per module and march)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done: dict[str, dict] = {}
+
+    def outputs(march: str) -> dict:
+        if march not in done:
+            out = tmp_path_factory.mktemp(march) / "out.pt"
+            r = subprocess.run([sys.executable, "-c", OTHER_BUILD, str(Path(__file__).parent), str(out), march],
+                               capture_output=True, text=True)
+            if "bad value" in r.stderr:
+                pytest.skip(f"this compiler does not know -march={march}")
+            assert r.returncode == 0, r.stderr[-3000:]
+            done[march] = torch.load(out)
+        return done[march]
+
+    return outputs
+
+
+def _matmul_cases() -> list[torch.Tensor]:
+    """Rows 1..9 of both widths, over group counts and row scales from 1e-3 to 1e2."""
+    outs = []
+    for bits in (4, 8):
+        for n, k in [(48, 64), (960, 576), (144, 1536)]:
+            _, (packed, scales, mins) = make(bits, n, k)
+            x = torch.randn(9, k, generator=torch.Generator().manual_seed(5)) * torch.logspace(-3, 2, 9)[:, None]
+            outs += [kernels.matmul(x[:mm], packed, scales, mins, bits, n) for mm in range(1, 10)]
+    return outs
 
 
 def _attention_cases() -> list[torch.Tensor]:
@@ -324,20 +358,22 @@ def _attention_cases() -> list[torch.Tensor]:
     return outs
 
 
-def test_attention_runs_built_for_avx2_give_the_avx512_bits(tmp_path):
+def test_attention_runs_built_for_avx2_give_the_avx512_bits(other_build):
     """On AVX2-only CPUs the runs take two 8-lane halves for each 16-lane vector, every op and sum
     in AVX-512's order: a build for them gives this machine's bits (both batch-invariant alike)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     if torch.ops.specdec_attention.attend_isa() == "scalar":
         pytest.skip("no vector runs on this machine")
-    out = tmp_path / "avx2.pt"
-    tests = str(Path(__file__).parent)
-    r = subprocess.run([sys.executable, "-c", AVX2_RUNS, tests, str(out)], capture_output=True, text=True)
-    if "bad value" in r.stderr:
-        pytest.skip("this compiler does not know -march=haswell")
-    assert r.returncode == 0, r.stderr[-3000:]
-    for ours, avx2 in zip(_attention_cases(), torch.load(out)):
-        assert torch.equal(ours, avx2)
+    avx2 = other_build("haswell")
+    assert avx2["isa"][1] == "avx2", avx2["isa"]
+    for ours, theirs in zip(_attention_cases(), avx2["attention"], strict=True):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])  # AVX2; no vectors at all
+def test_matmul_paths_give_the_same_bits(other_build, march):
+    """The AVX2 and scalar paths sum the same exact integers in their own orders and fold them into
+    floats op for op as VNNI does, so every build gives this machine's bits for every row count."""
+    theirs = other_build(march)
+    assert theirs["isa"][0] == ("avx2" if march == "haswell" else "scalar"), theirs["isa"]
+    for i, (ours, other) in enumerate(zip(_matmul_cases(), theirs["matmul"], strict=True)):
+        assert torch.equal(ours, other), f"case {i}"
