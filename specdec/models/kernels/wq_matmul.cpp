@@ -172,8 +172,8 @@ constexpr const char* ISA = "avx512-vnni";
 // Rows per call of a row tile, by weight width: each row holds one int16 sum per 8 columns for 4
 // bits and two for 8 bits, and sums past the 16 registers spill (built here for Zen 3, a [576 ->
 // 1536] weight: 5 rows of 4 bits in one call took 56 us against 75 as 4 + 1 rows in half tiles).
-constexpr int MAX_R = 6;
 constexpr int max_rows(int64_t bits) { return bits == 4 ? 6 : 3; }
+constexpr int MAX_R = max_rows(4);  // the row tiles instantiated: the larger of the two
 
 // One sweep over the groups for H halves of 8 columns from half h0, R rows. Every row's int16
 // sums take the weights unpacked once per chunk and one broadcast of its 4 activations for all H
@@ -209,7 +209,7 @@ inline void sweep(const uint8_t* wp, const uint16_t* sc, const uint16_t* mn, con
         const __m256i xl = _mm256_set1_epi32(load_i32(x0 + r * K + 4 * c));
         // 4 bits: the high nibbles are k + 16; 8 bits: the high nibbles of the same k
         const __m256i xh = BITS == 4 ? _mm256_set1_epi32(load_i32(x0 + r * K + 4 * c + 16)) : xl;
-        const int hi = BITS == 4 ? 0 : H;
+        constexpr int hi = BITS == 4 ? 0 : H;  // where the high nibbles' sums go
         for (int h = 0; h < H; ++h) a[r][h] = _mm256_add_epi16(a[r][h], _mm256_maddubs_epi16(wl[h], xl));
         for (int h = 0; h < H; ++h) a[r][hi + h] = _mm256_add_epi16(a[r][hi + h], _mm256_maddubs_epi16(wh[h], xh));
       }
