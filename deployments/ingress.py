@@ -259,13 +259,22 @@ class OpenAIIngress:
         if k > self.args.max_speculative_tokens:
             raise APIError(400, f"num_speculative_tokens must be <= {self.args.max_speculative_tokens}",
                            param="num_speculative_tokens")
-        if proposer == "none":
+        prediction = self.tok.encode(req.prediction.text()) if req.prediction is not None else []
+        if proposer == "none" and not prediction:
             k = 0
         params = SamplingParams(max_tokens=max_tokens or min(self.args.default_max_tokens, room),
                                 temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
-                                stop=req.stops(), ignore_eos=req.ignore_eos, logprobs=req.num_logprobs())
-        seq = Sequence(new_id("seq"), prompt_ids, params, k, limit, self.tok.eos_token_ids, self.tok.decode)
-        return seq, (proposer if k > 0 else None)
+                                stop=req.stops(), stop_token_ids=self._stop_ids(req), ignore_eos=req.ignore_eos,
+                                logprobs=req.num_logprobs())
+        seq = Sequence(new_id("seq"), prompt_ids, params, k, limit, self.tok.eos_token_ids, self.tok.decode,
+                       prediction=prediction)
+        return seq, (proposer if k > 0 and proposer != "none" else None)
+
+    def _stop_ids(self, req) -> list[int]:
+        ids = list(req.stop_token_ids or [])
+        if any(not 0 <= t < len(self.tok.hf) for t in ids):
+            raise APIError(400, "stop_token_ids contains ids outside the vocabulary", param="stop_token_ids")
+        return ids
 
     # -- routes ------------------------------------------------------------------------------
     @app.get("/health", responses={200: {"model": Health, "description": "Requests can be served"},
@@ -504,7 +513,10 @@ class OpenAIIngress:
     def _usage(self, seqs: list) -> dict:
         prompt, out = sum(len(s.prompt_ids) for s in seqs), sum(len(s.output_ids) for s in seqs)
         spec = seqs[0].metrics.to_dict() if len(seqs) == 1 else aggregate([s.metrics for s in seqs])
-        return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out, "speculative": spec}
+        drafted, kept = spec["num_prediction_drafted"], spec["num_prediction_accepted"]
+        details = {"accepted_prediction_tokens": kept, "rejected_prediction_tokens": drafted - kept}
+        return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
+                "completion_tokens_details": details, "speculative": spec}
 
     # -- for tests and operators -------------------------------------------------------------
     async def loop_stats(self) -> dict:

@@ -48,11 +48,19 @@ class StreamOptions(BaseModel):
 
 # OpenAI / vLLM fields this server does not implement, with the values that ask for nothing
 # (clients such as LangChain send them at their defaults): any other value is a 400 naming the
-# field, never silently different output
+# field, never silently different output. Fields named nowhere (user, metadata, store, ...) do
+# not change what is generated and are accepted, as vLLM and OpenAI accept them.
 UNSUPPORTED = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
                "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
                "response_format": ({"type": "text"},), "best_of": (1,), "suffix": ("",),
-               "min_tokens": (0,), "prompt_logprobs": (0,)}
+               "min_tokens": (0,), "prompt_logprobs": (0,), "min_p": (0,), "length_penalty": (1,),
+               "use_beam_search": (False,), "bad_words": ([],), "allowed_token_ids": (),
+               "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+               "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (), "modalities": (["text"],),
+               "audio": (), "reasoning_effort": (), "web_search_options": (), "guided_json": (), "guided_regex": (),
+               "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "echo": (False,),
+               "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
+               "chat_template_kwargs": ({},), "return_tokens_as_token_ids": (False,)}
 
 
 class _Sampling(BaseModel):
@@ -73,6 +81,7 @@ class _Sampling(BaseModel):
     num_speculative_tokens: int | None = Field(None, ge=0, le=16, description="Extension: K for this request; 0 = off.")
     proposer: Literal["draft", "ngram", "none"] | None = Field(None, description="Extension: which proposer drafts.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
+    stop_token_ids: list[int] | None = Field(None, description="Extension: token ids that end the output, as EOS does.")
 
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -97,6 +106,23 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat (a file being edited)."""
+
+    type: Literal["content"] = Field(..., description="Only `content` predictions exist.")
+    content: str | list[ContentPart] = Field(..., description="The expected output, as text or text parts.")
+
+    def text(self) -> str:
+        """The prediction's text; 400 for a part that is not text."""
+        parts = [ContentPart(type="text", text=self.content)] if isinstance(self.content, str) else self.content
+        for j, part in enumerate(parts):
+            if part.type != "text" or part.text is None:
+                raise APIError(400, "a prediction's content parts must be text parts",
+                               param=f"prediction.content.{j}", code="unsupported_content")
+            check_text(part.text, "prediction.content")
+        return "".join(p.text for p in parts)
 
 
 class ChatMessage(BaseModel):
@@ -129,6 +155,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = Field(False, description="Return each output token's log-probability under the verifier.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="... and this many likeliest alternatives.")
+    prediction: Prediction | None = Field(
+        None, description="Text the output is expected to repeat: its tokens are verified as drafts, output unchanged.")
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -148,6 +176,8 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                  description="Each output token's log-probability and this many likeliest alternatives.")
     echo: bool = Field(False, description="Return the prompt before the completion (with its logprobs if asked).")
+    prediction: Prediction | None = Field(
+        None, description="Text the output is expected to repeat: its tokens are verified as drafts, output unchanged.")
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -188,10 +218,18 @@ class SpeculativeUsage(BaseModel):
     num_verifier_passes: int
 
 
+class CompletionTokensDetails(BaseModel):
+    """As OpenAI reports Predicted Outputs: the prediction's tokens verified as drafts, kept or refused."""
+
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails
     speculative: SpeculativeUsage
 
 

@@ -138,7 +138,10 @@ class SpecEngine:
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                     num_speculative_tokens: int | None = None, proposer: str | None = None,
-                    seq_id: str | None = None) -> Sequence:
+                    seq_id: str | None = None, prediction: str | list[int] | None = None) -> Sequence:
+        """prediction: text (or token ids) the output is expected to repeat, as OpenAI's Predicted
+        Outputs: copied as drafts where the output meets it, even without a proposer; the output
+        is the same with or without it."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
@@ -150,9 +153,10 @@ class SpecEngine:
         name = proposer or self.default_proposer
         if name is not None and name not in self.proposers:
             raise ValueError(f"unknown proposer {name!r}; available: {sorted(self.proposers)}")
-        seq = Sequence(seq_id or f"seq-{next(self._ids)}", ids, params, k if name else 0, self.max_len,
+        predicted = self.tokenizer.encode(prediction) if isinstance(prediction, str) else list(prediction or [])
+        seq = Sequence(seq_id or f"seq-{next(self._ids)}", ids, params, k if name or predicted else 0, self.max_len,
                        self.tokenizer.eos_token_ids if self.tokenizer else set(),
-                       self.tokenizer.decode if self.tokenizer else None)
+                       self.tokenizer.decode if self.tokenizer else None, prediction=predicted)
         self._proposer_of[seq.seq_id] = name
         self.active.append(seq)
         return seq
@@ -185,10 +189,14 @@ class SpecEngine:
         return out
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
-                 num_speculative_tokens: int | None = None, proposer: str | None = None) -> list[Completion]:
-        """Run prompts to completion, batched; returns completions in prompt order."""
+                 num_speculative_tokens: int | None = None, proposer: str | None = None,
+                 predictions: list | None = None) -> list[Completion]:
+        """Run prompts to completion, batched; returns completions in prompt order. predictions:
+        one per prompt (add_request's prediction)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        seqs = [self.add_request(p, sp, num_speculative_tokens, proposer) for p, sp in zip(prompts, plist)]
+        preds = predictions or [None] * len(prompts)
+        seqs = [self.add_request(p, sp, num_speculative_tokens, proposer, prediction=x)
+                for p, sp, x in zip(prompts, plist, preds)]
         while any(not s.finished for s in seqs):
             self.step()
         return [completion(s) for s in seqs]

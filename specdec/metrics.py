@@ -16,6 +16,8 @@ class SpecMetrics:
     num_lookup_accepted: int = 0  # of num_accepted: lookup drafts accepted
     num_judged: int = 0  # positions the verifier reached: accepted ones and each round's first rejected one
     num_lookup_judged: int = 0  # of num_judged: in rounds of lookup drafts
+    num_prediction_drafted: int = 0  # of num_lookup_drafted: copied from the request's prediction
+    num_prediction_accepted: int = 0  # of num_lookup_accepted: those accepted
     num_verifier_passes: int = 0  # verify rounds this request took part in (= decoding steps)
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: rounds where draft j was accepted
     drafted_per_position: list[int] = field(default_factory=list)  # [j]: rounds that proposed a j-th draft
@@ -24,8 +26,9 @@ class SpecMetrics:
     t_finish: float | None = None
 
     def record_round(self, num_drafted: int, num_accepted: int, num_passes: int = 1, lookup: bool = False,
-                     positions: int | None = None) -> None:
-        """positions: the depth of a token tree (None: a chain, num_drafted deep)."""
+                     positions: int | None = None, predicted: bool = False) -> None:
+        """positions: the depth of a token tree (None: a chain, num_drafted deep); predicted: the
+        lookup's copy came from the request's prediction."""
         positions = num_drafted if positions is None else positions
         judged = min(num_accepted + 1, positions)  # a draft after a rejected one says nothing of the draft
         self.num_verifier_passes += num_passes
@@ -37,6 +40,9 @@ class SpecMetrics:
             self.num_lookup_drafted += num_drafted
             self.num_lookup_accepted += num_accepted
             self.num_lookup_judged += judged
+        if lookup and predicted:
+            self.num_prediction_drafted += num_drafted
+            self.num_prediction_accepted += num_accepted
         for per, n in ((self.drafted_per_position, positions), (self.accepted_per_position, num_accepted)):
             per.extend([0] * (n - len(per)))
             for j in range(n):
@@ -91,6 +97,8 @@ class SpecMetrics:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "num_lookup_drafted": self.num_lookup_drafted,
             "num_lookup_accepted": self.num_lookup_accepted,
+            "num_prediction_drafted": self.num_prediction_drafted,
+            "num_prediction_accepted": self.num_prediction_accepted,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "accepted_per_position": list(self.accepted_per_position),
             "drafted_per_position": list(self.drafted_per_position),
@@ -121,6 +129,8 @@ def aggregate(ms: list[SpecMetrics]) -> dict:
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
         "num_lookup_drafted": sum(m.num_lookup_drafted for m in ms),
         "num_lookup_accepted": sum(m.num_lookup_accepted for m in ms),
+        "num_prediction_drafted": sum(m.num_prediction_drafted for m in ms),
+        "num_prediction_accepted": sum(m.num_prediction_accepted for m in ms),
         "mean_accepted_length": round(1 + accepted / passes, 4) if passes else 0.0,
         "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(acc_pos, dr_pos)],
         "num_verifier_passes": passes,

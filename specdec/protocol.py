@@ -55,6 +55,10 @@ class VerifyRequest:
     room: int | None = None  # tokens the sequence may still emit: self-drafting passes stop there
     draft_passes: int | None = None  # how many of the call's passes self-draft (None: all; a probe's: its first)
     draft_min_confidence: float = 0.0  # the self-drafts' ProposeRequest.min_confidence
+    # a prediction the self-drafting passes copy from before the head drafts (Sequence.prediction),
+    # and where the output starts in tokens (a copy aligns the output with the prediction)
+    prediction: tuple[int, ...] = ()
+    output_start: int = 0
 
 
 @dataclass
@@ -77,7 +81,7 @@ class VerifyResult:
     logprobs: list[TokenLogprob] | None = None  # [len(token_ids)] when the request's params ask for them
     passes_s: list[float] | None = None  # seconds of each of the call's passes (its first: the verify pass)
     path: list[int] | None = None  # a tree's accepted drafts, by index, root to leaf (a chain's: its first num_accepted)
-    # a self-drafting call's passes: (drafts, accepted, positions drafted) each; num_drafted and
-    # num_accepted are their sums
-    per_pass: list[tuple[int, int, int]] | None = None
+    # a self-drafting call's passes: (drafts, accepted, positions drafted, copied from the
+    # prediction) each; num_drafted and num_accepted are their sums
+    per_pass: list[tuple[int, int, int, bool]] | None = None
     draft_s: float = 0.0  # seconds the verifier spent drafting with its own head in this call

@@ -7,7 +7,9 @@ With `lookup` (an n-gram proposer, typically needing a 3-token match), a sequenc
 model proposer first tries prompt lookup: where its recent tokens occur earlier in its own
 context (extractive answers, code edits, repeated names) the continuation is copied as the
 drafts, for free, and the model proposer is not called for it that round. Which proposer drafts
-depends only on the tokens so far, so the output distribution is unchanged."""
+depends only on the tokens so far, so the output distribution is unchanged. A sequence with a
+prediction (OpenAI's Predicted Outputs) copies from it first, the same way, with or without a
+model proposer."""
 from __future__ import annotations
 
 import time
@@ -15,9 +17,20 @@ import time
 from specdec.adaptive import AdaptiveK
 from specdec.confidence import MIN_PATH_CONFIDENCE, prune, subset
 from specdec.models.layers import draft_depth
-from specdec.proposers.ngram import NgramProposer
+from specdec.proposers.ngram import NgramProposer, predicted
 from specdec.protocol import Proposal, ProposeRequest, VerifyRequest, VerifyResult
 from specdec.sequence import Delta, Sequence
+
+
+def copy(s: Sequence, budget: int, lookup: NgramProposer | None, proposer: str | None) -> tuple[list[int], bool]:
+    """A sequence's drafts copied this round, and whether from its prediction: from there where
+    the output meets it, else by prompt lookup (not for the ngram proposer, which is lookup
+    itself); [] if neither matches."""
+    if not budget:
+        return [], False
+    if s.prediction and (x := predicted(s.prediction, s.output_ids, budget)):
+        return x, True
+    return (lookup.lookup(s.tokens, budget) if lookup is not None and proposer != "ngram" else []), False
 
 
 class Round:
@@ -30,10 +43,14 @@ class Round:
         self.proposer_of = proposer_of
         # no drafts in a sequence's first round: that pass prefills its prompt, and a draft head has
         # no verifier feature to draft from yet (its drafts would only widen the pass)
-        budgets = [s.draft_budget() if proposer_of.get(s.seq_id) and s.output_ids else 0 for s in batch]
-        # prompt lookup first (cheap): its matches bound those sequences' drafts this round
-        self.looked_up = [lookup.lookup(s.tokens, b) if lookup is not None and b and proposer_of.get(s.seq_id) != "ngram"
-                          else [] for s, b in zip(batch, budgets)]
+        budgets = [s.draft_budget() if (proposer_of.get(s.seq_id) or s.prediction) and s.output_ids else 0
+                   for s in batch]
+        # copies first (cheap): their matches bound those sequences' drafts this round; a sequence
+        # with no model proposer drafts only what it copies
+        copies = [copy(s, b, lookup, proposer_of.get(s.seq_id)) for s, b in zip(batch, budgets)]
+        self.looked_up = [x for x, _ in copies]
+        self.from_prediction = [p for _, p in copies]
+        budgets = [b if proposer_of.get(s.seq_id) else min(b, len(x)) for s, b, x in zip(batch, budgets, self.looked_up)]
         # a sequence's first verify (and first draft) also prefills its prompt: such rounds would
         # teach the cost models that passes are dearer than they are, so they are not observed
         self.prefill_verify = any(not s.output_ids for s in batch)
@@ -57,8 +74,10 @@ class Round:
         # drafted in the verifier's call, before each pass; then every call runs several passes (a
         # prompt-lookup copy is verified in the first, plain steps follow)
         self.drafts_in_calls = bool(in_verifier)
-        self.self_drafted = [k > 0 and not m and proposer_of.get(s.seq_id) in in_verifier
-                             for s, k, m in zip(batch, self.ks, self.is_lookup)]
+        self.head_in_verifier = [proposer_of.get(s.seq_id) in in_verifier for s in batch]
+        # a prediction is copied from in every pass of such a call, by the verifier
+        self.self_drafted = [k > 0 and ((not m and own) or (self.drafts_in_calls and bool(s.prediction)))
+                             for s, k, m, own in zip(batch, self.ks, self.is_lookup, self.head_in_verifier)]
         self.t_draft = 0.0
         self._cost_sample: tuple[int, int, int] | None = None  # (batch, tokens in pass, passes), set by commit
         self._passes_s: list[float] | None = None  # a ridden-along call's pass times (commit)
@@ -130,10 +149,12 @@ class Round:
         # (a sequence the verifier drafts for has no drafts here: its passes are capped the same way)
         return [VerifyRequest(s.seq_id, list(s.tokens), d.token_ids, d.probs, s.params,
                               max(1, min(steps, s.room() - depth(d))), stop_ids=tuple(s.stop_ids),
-                              draft_parents=d.parents, self_draft=k if own else 0, feature=s.feature if own else None,
-                              room=s.room(), draft_passes=1 if own and self.ride_along else None,
-                              draft_min_confidence=self.min_confidence)
-                for s, d, k, own in zip(self.batch, self.drafts, self.ks, self.self_drafted)]
+                              draft_parents=d.parents, self_draft=k if own else 0,
+                              feature=s.feature if own and head else None, room=s.room(),
+                              draft_passes=1 if own and self.ride_along else None,
+                              draft_min_confidence=self.min_confidence,
+                              prediction=tuple(s.prediction) if own else (), output_start=len(s.prompt_ids))
+                for s, d, k, own, head in zip(self.batch, self.drafts, self.ks, self.self_drafted, self.head_in_verifier)]
 
     def commit(self, results: list[VerifyResult], verify_seconds: float | None) -> list[tuple[Sequence, Delta]]:
         """verify_seconds None: the round's cost is observed later, by observe_cost (Serve: once
@@ -156,8 +177,8 @@ class Round:
             for j, (drafted_accepted, looked_up, first) in enumerate(self._per_pass(results)):
                 self.adaptive.observe_round(drafted_accepted, looked_up, first, self.prediction if j == 0 else None)
             self.adaptive.confidence.observe(self.drafts, results, [s.params.greedy for s in self.batch])
-        out = [(s, s.commit(r, m, depth(d) if d.parents is not None else None))
-               for s, r, m, d in zip(self.batch, results, self.is_lookup, self.drafts)]
+        out = [(s, s.commit(r, m, depth(d) if d.parents is not None else None, m and p))
+               for s, r, m, d, p in zip(self.batch, results, self.is_lookup, self.drafts, self.from_prediction)]
         self.t_committed = time.perf_counter()
         return out
 
@@ -165,18 +186,18 @@ class Round:
         """What the verifier's own drafting cost per pass (its head keeps no state: a sequence's
         first draft costs what the others do)."""
         own = [i for i, x in enumerate(self.self_drafted) if x]
-        drafting = sum(1 for d, _, _ in results[own[0]].per_pass or () if d) if own else 0
+        drafting = sum(1 for d, _, _, copied in results[own[0]].per_pass or () if d and not copied) if own else 0
         if drafting and results[own[0]].draft_s:
             self.adaptive.observe_draft(len(own), max(self.ks[i] for i in own), results[own[0]].draft_s / drafting)
 
     def _per_pass(self, results: list[VerifyResult]):
         """Each pass of the call as a verified round: (drafts, accepted) of its sequences, their
         lookup and first-draft flags."""
-        each = [[(pos, n) for _, n, pos in r.per_pass] if r.per_pass else [(depth(d), r.num_accepted)]
-                for r, d in zip(results, self.drafts)]
+        each = [[(pos, n, c or (m and j == 0)) for j, (_, n, pos, c) in enumerate(r.per_pass)] if r.per_pass
+                else [(depth(d), r.num_accepted, m)] for r, d, m in zip(results, self.drafts, self.is_lookup)]
         for j in range(max(map(len, each))):
             rows = [i for i, e in enumerate(each) if j < len(e)]
-            yield ([each[i][j] for i in rows], [self.is_lookup[i] and j == 0 for i in rows],
+            yield ([each[i][j][:2] for i in rows], [each[i][j][2] for i in rows],
                    [self.first_draft[i] and j == 0 for i in rows])
 
     def observe_cost(self, seconds: float) -> None:

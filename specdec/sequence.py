@@ -40,6 +40,7 @@ class Sequence:
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     feature: object = None  # verifier feature that predicted tokens[-1] (None until the first pass)
     logprobs: list[TokenLogprob] | None = None  # [len(output_ids)] when params.logprobs is set
+    prediction: list[int] = field(default_factory=list)  # tokens the output is expected to repeat (drafts, copied)
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -68,15 +69,18 @@ class Sequence:
         k = self.num_speculative_tokens if k is None else k
         return max(0, min(k, self.room() - 1))
 
-    def commit(self, result: VerifyResult, lookup: bool = False, positions: int | None = None) -> Delta:
-        """lookup: the round's drafts were copied by prompt lookup (counted apart in metrics);
-        positions: a token tree's depth (None: a chain)."""
-        if result.per_pass:  # a self-drafting call: a round per pass
-            for j, (drafted, accepted, depth) in enumerate(result.per_pass):  # a lookup copy: in its first only
-                self.metrics.record_round(drafted, accepted, 1, lookup and j == 0, depth)
+    def commit(self, result: VerifyResult, lookup: bool = False, positions: int | None = None,
+               predicted: bool = False) -> Delta:
+        """lookup: the round's drafts were copied (counted apart in metrics), predicted: from the
+        prediction, not by prompt lookup; positions: a token tree's depth (None: a chain)."""
+        if result.per_pass:  # a self-drafting call: a round per pass; the round's own copy in its first
+            for j, (drafted, accepted, depth, copied) in enumerate(result.per_pass):  # copied: from the prediction
+                first = lookup and j == 0
+                self.metrics.record_round(drafted, accepted, 1, copied or first, depth, copied or (first and predicted))
             self.metrics.num_verifier_passes += result.num_passes - len(result.per_pass)
         else:
-            self.metrics.record_round(result.num_drafted, result.num_accepted, result.num_passes, lookup, positions)
+            self.metrics.record_round(result.num_drafted, result.num_accepted, result.num_passes, lookup, positions,
+                                      predicted)
         new: list[int] = []
         for tok in result.token_ids:
             if tok in self.stop_ids:

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from specdec.models.layers import draft_depth
 from specdec.models.runner import ModelRunner
+from specdec.proposers.ngram import predicted
 from specdec.protocol import ProposeRequest, TokenLogprob, VerifyRequest, VerifyResult
 from specdec.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
 from specdec.sampling import logits_to_probs, round_generator
@@ -92,11 +93,11 @@ class Verifier:
         """One pass over the requests' drafts, then their further steps: plain decoding, or passes
         that verify the verifier's own drafts where a request asks for them (self_draft)."""
         steps, passes_s, draft_s = [r.num_steps for r in requests], [], [0.0]
-        drafted = self._own_drafts(requests, draft_s)
+        drafted, copied = self._own_drafts(requests, draft_s)
         results = self._pass(drafted, passes_s)
         if any(r.self_draft for r in requests):
-            for res, r in zip(results, drafted):
-                res.per_pass = [(res.num_drafted, res.num_accepted, draft_depth(r.draft_token_ids, r.draft_parents))]
+            for res, r, c in zip(results, drafted, copied):
+                res.per_pass = [(res.num_drafted, res.num_accepted, draft_depth(r.draft_token_ids, r.draft_parents), c)]
             self._draft_more(requests, results, steps, passes_s, draft_s)
         elif max(steps) > 1:
             for r, res in zip(requests, results):
@@ -141,27 +142,37 @@ class Verifier:
         passes_s.append(time.perf_counter() - t_pass)
         return results
 
-    def _own_drafts(self, requests: list[VerifyRequest], draft_s: list[float]) -> list[VerifyRequest]:
-        """The requests with the drafts of the verifier's own head where they ask for them (and
-        carry no drafts of their own): a sequence without a feature yet gets none."""
-        asks = [i for i, r in enumerate(requests) if r.self_draft and not r.draft_token_ids and r.feature is not None]
-        if not asks or self.drafter is None:
-            return requests
+    def _own_drafts(self, requests: list[VerifyRequest], draft_s: list[float]) -> tuple[list[VerifyRequest], list[bool]]:
+        """The requests with their own drafts where they ask for them (and carry none): copied
+        from a prediction where the output meets it, else the verifier's own head's (none for a
+        sequence without a feature yet); and which requests' drafts were copied."""
+        out, copied = list(requests), [False] * len(requests)
+        for i, r in enumerate(requests):
+            if r.self_draft and not r.draft_token_ids and r.prediction:
+                x = predicted(list(r.prediction), r.tokens[r.output_start:], r.self_draft)
+                out[i], copied[i] = dataclasses.replace(r, draft_token_ids=x, draft_probs=None, draft_parents=None), bool(x)
+        asks = [i for i, r in enumerate(requests)
+                if r.self_draft and not r.draft_token_ids and not copied[i] and r.feature is not None]
+        if asks and self.drafter is not None:
+            self._head_drafts(out, asks, draft_s)
+        return out, copied
+
+    def _head_drafts(self, out: list[VerifyRequest], asks: list[int], draft_s: list[float]) -> None:
+        """The verifier's own head drafts for out[i], i in asks (in place); a failing head costs
+        speed, not a request: those passes go without drafts."""
         t0 = time.perf_counter()
         try:
             props = self.drafter.propose([ProposeRequest(r.seq_id, r.tokens, r.self_draft, r.params, r.feature,
-                                                         r.draft_min_confidence) for r in (requests[i] for i in asks)])
-        except Exception:  # a failing draft costs speed, not a request: the pass goes without drafts
+                                                         r.draft_min_confidence) for r in (out[i] for i in asks)])
+        except Exception:
             self.draft_failures += 1
             log.warning("the draft head failed; this pass verifies no drafts", exc_info=True)
-            return requests
+            return
         finally:
             draft_s[0] += time.perf_counter() - t0
-        out = list(requests)
         for i, p in zip(asks, props):
-            out[i] = dataclasses.replace(requests[i], draft_token_ids=p.token_ids, draft_probs=p.probs,
+            out[i] = dataclasses.replace(out[i], draft_token_ids=p.token_ids, draft_probs=p.probs,
                                          draft_parents=p.parents)
-        return out
 
     @staticmethod
     def _next_k(request: VerifyRequest, result: VerifyResult, left: int) -> int:
@@ -188,15 +199,15 @@ class Verifier:
                                        draft_probs=None, draft_parents=None, feature=results[b].feature,
                                        self_draft=self._next_k(requests[b], results[b], left[b]))
                    for b in idx]
-            sub = self._own_drafts(sub, draft_s)
-            for b, r, res in zip(idx, sub, self._pass(sub, passes_s)):
+            sub, copied = self._own_drafts(sub, draft_s)
+            for b, r, c, res in zip(idx, sub, copied, self._pass(sub, passes_s)):
                 mine = results[b]
                 mine.token_ids += res.token_ids
                 mine.num_accepted += res.num_accepted
                 mine.num_drafted += res.num_drafted
                 mine.num_passes += 1
                 mine.feature = res.feature
-                mine.per_pass.append((res.num_drafted, res.num_accepted, draft_depth(r.draft_token_ids, r.draft_parents)))
+                mine.per_pass.append((res.num_drafted, res.num_accepted, draft_depth(r.draft_token_ids, r.draft_parents), c))
                 if mine.logprobs is not None:
                     mine.logprobs += res.logprobs
 

@@ -5,7 +5,8 @@ handful of tokens, makes a chi-square test powerful at a few thousand continuati
 distribution of the first T tokens is enumerated from the verifier itself (every prefix, one
 batched forward), and each position's marginal, and the joint of all T, is tested against it:
 for plain sampling (the reference), an EAGLE-style draft head, its token trees (multi-candidate
-rejection), prompt lookup (one-hot q), a draft model, and the head behind prompt lookup. A broken
+rejection), prompt lookup (one-hot q), a draft model, the head behind prompt lookup, and copies of
+a prediction (Predicted Outputs, one-hot q too). A broken
 rejection sampler patched into the same engine path fails the same check.
 Every request has its own seed, so each run draws the same tokens: the test is deterministic."""
 import itertools
@@ -71,7 +72,7 @@ def _draft_head(model, draft_vocab: int = 6) -> DraftHead:
     return DraftHead(cfg, torch.randperm(V, generator=g)[:draft_vocab].sort().values).attach(model).eval()
 
 
-KINDS = ["plain", "eagle", "ngram", "draft", "eagle+lookup", "eagle-tree", "eagle-in-calls"]
+KINDS = ["plain", "eagle", "ngram", "draft", "eagle+lookup", "eagle-tree", "eagle-in-calls", "prediction"]
 
 
 class InCalls:
@@ -94,15 +95,29 @@ class InCalls:
         return [completion(s) for s in seqs]
 
 
-def build_engine(kind: str, model) -> SpecEngine:
+class Predicted:
+    """Requests with a prediction (the prompt's greedy continuation) and no model proposer."""
+
+    def __init__(self, engine: SpecEngine, prediction: list[int]):
+        self.engine, self.prediction = engine, prediction
+
+    def generate(self, prompts: list, params: list[SamplingParams]):
+        return self.engine.generate(prompts, params, predictions=[self.prediction] * len(prompts))
+
+
+def build_engine(kind: str, model, prompt: list[int] | None = None) -> SpecEngine:
     """'plain' (K = 0), 'eagle' (draft head), 'ngram' (prompt lookup as the proposer: one-hot q),
     'draft' (draft model), 'eagle+lookup' (prompt lookup where it matches, else the head),
-    'eagle-tree' (the head's token trees, three children a node) or 'eagle-in-calls' (the head
-    drafting inside the verifier's multi-pass calls)."""
+    'eagle-tree' (the head's token trees, three children a node), 'eagle-in-calls' (the head
+    drafting inside the verifier's multi-pass calls) or 'prediction' (copies of a prediction)."""
     verifier = Verifier(_runner(model))  # first: under SPECDEC_TEST_DEVICE this moves the model
     if kind == "eagle-in-calls":
         verifier.drafter = FeatureHeadProposer(_draft_head(model))
         return InCalls(verifier)
+    if kind == "prediction":
+        plain = SpecEngine(Verifier(_runner(model)), None, None, _cfg(0))
+        ahead = plain.generate([prompt], SamplingParams(max_tokens=T, ignore_eos=True))[0].token_ids
+        return Predicted(SpecEngine(verifier, None, None, _cfg(K)), ahead)
     proposer = {"plain": lambda: None,
                 "eagle": lambda: FeatureHeadProposer(_draft_head(model)),
                 "eagle+lookup": lambda: FeatureHeadProposer(_draft_head(model)),
@@ -175,7 +190,7 @@ def _seed0(kind: str) -> int:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_sampled_output_follows_the_verifier(kind, verifier_model, prompt, exact):
-    samples, metrics = sample(build_engine(kind, verifier_model), prompt, _seed0(kind))
+    samples, metrics = sample(build_engine(kind, verifier_model, prompt), prompt, _seed0(kind))
     if kind != "plain":  # drafts were made, and verified both ways
         drafted, accepted = sum(m.num_drafted for m in metrics), sum(m.num_accepted for m in metrics)
         assert 0 < accepted < drafted, (drafted, accepted)
@@ -188,17 +203,18 @@ def test_sampled_output_follows_the_verifier(kind, verifier_model, prompt, exact
     if min(pv) <= ALPHA:
         # a correct sampler's smallest of these p-values falls below ALPHA for a few seed sets in
         # a thousand: confirm on fresh seeds (a broken sampler's fall far below it: the test below)
-        pv = pvalues(sample(build_engine(kind, verifier_model), prompt, _seed0(kind) + N + 1000)[0], exact)
+        pv = pvalues(sample(build_engine(kind, verifier_model, prompt), prompt, _seed0(kind) + N + 1000)[0], exact)
     assert min(pv) > ALPHA, pv
 
 
 @pytest.mark.parametrize("kind,part,broken", [("eagle", "accepted_lengths", _accept_all),
                                               ("eagle", "residual_skips", _no_residual),
                                               ("eagle-in-calls", "accepted_lengths", _accept_all),
-                                              ("ngram", "residual_skips", _no_residual)])
+                                              ("ngram", "residual_skips", _no_residual),
+                                              ("prediction", "residual_skips", _no_residual)])
 def test_same_check_catches_a_broken_sampler(kind, part, broken, verifier_model, prompt, exact, monkeypatch):
     monkeypatch.setattr(rejection_sampler, part, broken)
-    samples, _ = sample(build_engine(kind, verifier_model), prompt, _seed0(kind))
+    samples, _ = sample(build_engine(kind, verifier_model, prompt), prompt, _seed0(kind))
     pv = pvalues(samples, exact)
     assert min(pv) < ALPHA, pv
 

@@ -194,6 +194,11 @@ def test_sixteen_concurrent_users_share_verifier_passes(client, server, referenc
     ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({"presence_penalty": 0.5}, 400, "presence_penalty"),  # known but not implemented: refused, not ignored
     ({"logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"min_p": 0.1}, 400, "min_p"),  # vLLM's, as above
+    ({"modalities": ["text", "audio"]}, 400, "modalities"),
+    ({"stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+    ({"prediction": {"type": "file", "content": "x"}}, 400, "prediction.type"),
+    ({"prediction": {"type": "content", "content": [{"type": "image_url"}]}}, 400, "prediction.content.0"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, param):
     r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 5, **body})
@@ -201,6 +206,32 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
+
+
+def test_a_prediction_keeps_the_output_and_counts_its_tokens(server, client, reference):
+    """OpenAI's Predicted Outputs through the SDK: the same text, with the prediction's drafts
+    counted as OpenAI reports them; also where a draft head drafts inside the Verifier's calls,
+    which copy the prediction in every pass. (The tiny model's text does not encode back to its
+    tokens, so most copies are refused here; test_serve_real.py has them kept.)"""
+    want = greedy(reference, CHAT, 40).text
+    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40, temperature=0,
+                                       prediction={"type": "content", "content": want})
+    details = r.usage.completion_tokens_details
+    assert r.choices[0].message.content == want
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 40, "temperature": 0,
+            "prediction": {"type": "content", "content": want}}
+    r = post(server, "/v1/chat/completions", body, key=None, prefix="/head").json()
+    assert r["choices"][0]["message"]["content"] == want
+    assert sum(r["usage"]["completion_tokens_details"].values()) > 0
+
+
+def test_stop_token_ids_end_the_output(server, reference):
+    ref = greedy(reference, CHAT, 20)
+    r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 20, "temperature": 0,
+                                              "stop_token_ids": [ref.token_ids[6]]}).json()
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert r["usage"]["completion_tokens"] == ref.token_ids.index(ref.token_ids[6])
 
 
 def test_logprobs_over_http_are_the_engines(client, reference):

@@ -30,3 +30,10 @@ def test_default_app_streams_with_speculation_stats():
             model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Name the capital city of France."}],
             max_tokens=24, temperature=0, extra_body={"num_speculative_tokens": 0})
         assert plain.choices[0].message.content == text  # lossless through the whole distributed path
+        predicted = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Name the capital city of France."}],
+            max_tokens=24, temperature=0, prediction={"type": "content", "content": text})
+        assert predicted.choices[0].message.content == text
+        usage = predicted.usage  # the prefill's pass, then each pass keeps copies of the prediction
+        assert usage.completion_tokens_details.accepted_prediction_tokens >= usage.completion_tokens // 2
+        assert usage.model_extra["speculative"]["num_verifier_passes"] <= usage.completion_tokens // 2
