@@ -64,7 +64,7 @@ def measure(prompts: list[dict], tokens: int, reps: int, threads: int) -> dict:
     engine = SpecEngine.from_config(EngineConfig(prefix_caching=False))
     llama = peer.LlamaCppProcess(peer.default_gguf(), threads) if peer.available() else None
     rows = [r for r in ROWS if r != "llama_cpp" or llama is not None]
-    ids = [engine.tokenizer.chat([{"role": "user", "content": p["prompt"]}]) for p in prompts]
+    ids = [engine.tokenizer.chat(p["messages"]) for p in prompts]
     preds, answers = predictions(engine, ids, tokens)
     runs = {r: [[] for _ in prompts] for r in rows}
     for rep in range(reps):

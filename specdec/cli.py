@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +47,8 @@ def cmd_generate(a) -> int:
     prompt = [{"role": "user", "content": a.prompt}] if not a.raw else a.prompt
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed, stop=a.stop or [], logprobs=a.logprobs)
-    c = engine.generate([prompt], params)[0]
+    prediction = Path(a.prediction_file).read_text() if a.prediction_file else None
+    c = engine.generate([prompt], params, predictions=[prediction])[0]
     m = c.metrics.to_dict()
     if a.json:
         print(json.dumps(c.to_dict()))
@@ -54,7 +56,8 @@ def cmd_generate(a) -> int:
         print(c.text)
         print("\n--- speculation ---", file=sys.stderr)
         for k in ("num_output_tokens", "num_drafted", "num_accepted", "acceptance_rate", "mean_accepted_length",
-                  "accepted_per_position", "num_verifier_passes", "tokens_per_s", "ttft_s", "ms_per_output_token"):
+                  "accepted_per_position", "num_prediction_accepted", "num_verifier_passes", "tokens_per_s", "ttft_s",
+                  "ms_per_output_token"):
             print(f"{k:>22}: {m[k]}", file=sys.stderr)
     return 0
 
@@ -83,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each token's log-probability and its N likeliest alternatives")
+    g.add_argument("--prediction-file", metavar="PATH",
+                   help="text the answer is expected to repeat (a file to edit): drafts where the output meets it")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(fn=cmd_generate)
     sub.add_parser("bench", help="speculation benchmark (specdec bench --help)")

@@ -18,6 +18,7 @@ class SpecMetrics:
     num_lookup_judged: int = 0  # of num_judged: in rounds of lookup drafts
     num_prediction_drafted: int = 0  # of num_lookup_drafted: copied from the request's prediction
     num_prediction_accepted: int = 0  # of num_lookup_accepted: those accepted
+    num_prediction_judged: int = 0  # of num_lookup_judged: in rounds of the prediction's drafts
     num_verifier_passes: int = 0  # verify rounds this request took part in (= decoding steps)
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: rounds where draft j was accepted
     drafted_per_position: list[int] = field(default_factory=list)  # [j]: rounds that proposed a j-th draft
@@ -43,6 +44,7 @@ class SpecMetrics:
         if lookup and predicted:
             self.num_prediction_drafted += num_drafted
             self.num_prediction_accepted += num_accepted
+            self.num_prediction_judged += judged
         for per, n in ((self.drafted_per_position, positions), (self.accepted_per_position, num_accepted)):
             per.extend([0] * (n - len(per)))
             for j in range(n):

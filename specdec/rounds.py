@@ -22,15 +22,27 @@ from specdec.protocol import Proposal, ProposeRequest, VerifyRequest, VerifyResu
 from specdec.sequence import Delta, Sequence
 
 
-def copy(s: Sequence, budget: int, lookup: NgramProposer | None, proposer: str | None) -> tuple[list[int], bool]:
-    """A sequence's drafts copied this round, and whether from its prediction: from there where
-    the output meets it, else by prompt lookup (not for the ngram proposer, which is lookup
-    itself); [] if neither matches."""
+def copy(s: Sequence, budget: int, lookup: NgramProposer | None, proposer: str | None,
+         prediction: bool = True) -> tuple[list[int], bool]:
+    """A sequence's drafts copied this round, and whether from its prediction: from there (if
+    `prediction`) where the output meets it, else by prompt lookup (not for the ngram proposer,
+    which is lookup itself); [] if neither matches."""
     if not budget:
         return [], False
-    if s.prediction and (x := predicted(s.prediction, s.output_ids, budget)):
+    if prediction and s.prediction and (x := predicted(s.prediction, s.output_ids, budget)):
         return x, True
     return (lookup.lookup(s.tokens, budget) if lookup is not None and proposer != "ngram" else []), False
+
+
+def prediction_pays(adaptive: AdaptiveK, s: Sequence) -> bool:
+    """Whether a sequence's prediction drafts rather than its model: while its copies are kept at
+    least as often as its model's drafts. A prediction starts trusted (its record shrunk towards
+    all kept: the user says the answer repeats it); a loose one (an earlier sampled answer: a
+    third of its copies kept, against half of the head's drafts) would otherwise keep the head
+    from drafting wherever it meets the output."""
+    m = s.metrics
+    return adaptive.lookup.of_sequence(m.num_prediction_accepted, m.num_prediction_judged, towards=1.0) >= \
+        adaptive.acceptance(m.num_model_accepted, m.num_model_judged)
 
 
 class Round:
@@ -47,7 +59,9 @@ class Round:
                    for s in batch]
         # copies first (cheap): their matches bound those sequences' drafts this round; a sequence
         # with no model proposer drafts only what it copies
-        copies = [copy(s, b, lookup, proposer_of.get(s.seq_id)) for s, b in zip(batch, budgets)]
+        self.use_prediction = [bool(s.prediction) and (adaptive is None or not proposer_of.get(s.seq_id)
+                                                        or prediction_pays(adaptive, s)) for s in batch]
+        copies = [copy(s, b, lookup, proposer_of.get(s.seq_id), p) for s, b, p in zip(batch, budgets, self.use_prediction)]
         self.looked_up = [x for x, _ in copies]
         self.from_prediction = [p for _, p in copies]
         budgets = [b if proposer_of.get(s.seq_id) else min(b, len(x)) for s, b, x in zip(batch, budgets, self.looked_up)]
@@ -76,8 +90,8 @@ class Round:
         self.drafts_in_calls = bool(in_verifier)
         self.head_in_verifier = [proposer_of.get(s.seq_id) in in_verifier for s in batch]
         # a prediction is copied from in every pass of such a call, by the verifier
-        self.self_drafted = [k > 0 and ((not m and own) or (self.drafts_in_calls and bool(s.prediction)))
-                             for s, k, m, own in zip(batch, self.ks, self.is_lookup, self.head_in_verifier)]
+        self.self_drafted = [k > 0 and ((not m and own) or (self.drafts_in_calls and p))
+                             for k, m, own, p in zip(self.ks, self.is_lookup, self.head_in_verifier, self.use_prediction)]
         self.t_draft = 0.0
         self._cost_sample: tuple[int, int, int] | None = None  # (batch, tokens in pass, passes), set by commit
         self._passes_s: list[float] | None = None  # a ridden-along call's pass times (commit)
@@ -153,8 +167,9 @@ class Round:
                               feature=s.feature if own and head else None, room=s.room(),
                               draft_passes=1 if own and self.ride_along else None,
                               draft_min_confidence=self.min_confidence,
-                              prediction=tuple(s.prediction) if own else (), output_start=len(s.prompt_ids))
-                for s, d, k, own, head in zip(self.batch, self.drafts, self.ks, self.self_drafted, self.head_in_verifier)]
+                              prediction=tuple(s.prediction) if own and p else (), output_start=len(s.prompt_ids))
+                for s, d, k, own, head, p in zip(self.batch, self.drafts, self.ks, self.self_drafted,
+                                                 self.head_in_verifier, self.use_prediction)]
 
     def commit(self, results: list[VerifyResult], verify_seconds: float | None) -> list[tuple[Sequence, Delta]]:
         """verify_seconds None: the round's cost is observed later, by observe_cost (Serve: once

@@ -100,3 +100,35 @@ def test_calls_that_draft_in_the_verifier_copy_the_prediction_in_every_pass(tiny
         assert s.metrics.num_prediction_accepted == s.metrics.num_prediction_drafted >= 15
         assert s.metrics.num_model_drafted > 0  # past the prediction, the head drafts
     assert head.asked > 0
+
+
+def test_the_cli_reads_a_prediction_file(tmp_path, capsys):
+    import json
+
+    from specdec.cli import main
+
+    args = ["generate", "--verifier", "tiny", "--draft", "none", "--prompt", "abc", "--raw", "--max-tokens", "12",
+            "--json"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    (tmp_path / "p.txt").write_text(plain["text"])
+    assert main(args + ["--prediction-file", str(tmp_path / "p.txt")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == plain["token_ids"] and out["metrics"]["num_prediction_drafted"] > 0
+
+
+def test_a_prediction_whose_copies_are_refused_gives_way_to_the_model():
+    from specdec.adaptive import AdaptiveK
+    from specdec.rounds import prediction_pays
+    from specdec.sequence import Sequence
+
+    s = Sequence("s", [1, 2], SamplingParams(), 4, 64, prediction=[3, 4, 5])
+    ak = AdaptiveK(k_max=4)
+    assert prediction_pays(ak, s)  # trusted before anything is known
+    s.metrics.record_round(4, 0, lookup=True, predicted=True)
+    s.metrics.record_round(4, 1, lookup=True, predicted=True)
+    s.metrics.record_round(2, 1)  # the model's
+    assert prediction_pays(ak, s)  # 1 of 3 judged, shrunk towards all kept: still 0.71 against 0.56
+    for _ in range(6):
+        s.metrics.record_round(4, 0, lookup=True, predicted=True)
+    assert not prediction_pays(ak, s)
