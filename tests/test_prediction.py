@@ -128,7 +128,7 @@ def test_a_prediction_whose_copies_are_refused_gives_way_to_the_model():
     s.metrics.record_round(4, 0, lookup=True, predicted=True)
     s.metrics.record_round(4, 1, lookup=True, predicted=True)
     s.metrics.record_round(2, 1)  # the model's
-    assert prediction_pays(ak, s)  # 1 of 3 judged, shrunk towards all kept: still 0.71 against 0.56
+    assert prediction_pays(ak, s)  # 1 of 3 judged, shrunk towards all kept: still 0.71 against 0.5
     for _ in range(6):
         s.metrics.record_round(4, 0, lookup=True, predicted=True)
     assert not prediction_pays(ak, s)
