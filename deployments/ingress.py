@@ -259,7 +259,7 @@ class OpenAIIngress:
         if k > self.args.max_speculative_tokens:
             raise APIError(400, f"num_speculative_tokens must be <= {self.args.max_speculative_tokens}",
                            param="num_speculative_tokens")
-        prediction = self.tok.encode(req.prediction.text()) if req.prediction is not None else []
+        prediction = self._prediction(req)
         if proposer == "none" and not prediction:
             k = 0
         params = SamplingParams(max_tokens=max_tokens or min(self.args.default_max_tokens, room),
@@ -269,6 +269,20 @@ class OpenAIIngress:
         seq = Sequence(new_id("seq"), prompt_ids, params, k, limit, self.tok.eos_token_ids, self.tok.decode,
                        prediction=prediction)
         return seq, (proposer if k > 0 and proposer != "none" else None)
+
+    def _prediction(self, req) -> list[int]:
+        """The prediction's tokens: at most a context's worth (the output cannot repeat more)."""
+        if req.prediction is None:
+            return []
+        text = req.prediction.text()
+        if len(text) > 16 * self.args.max_model_len:  # never tokenize a body's worth of text to refuse it
+            raise APIError(400, f"the prediction is longer than the {self.args.max_model_len}-token context",
+                           param="prediction.content")
+        ids = self.tok.encode(text)
+        if len(ids) > self.args.max_model_len:
+            raise APIError(400, f"the prediction has {len(ids)} tokens, more than the {self.args.max_model_len}-token "
+                           "context", param="prediction.content")
+        return ids
 
     def _stop_ids(self, req) -> list[int]:
         ids = list(req.stop_token_ids or [])

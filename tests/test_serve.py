@@ -199,6 +199,7 @@ def test_sixteen_concurrent_users_share_verifier_passes(client, server, referenc
     ({"stop_token_ids": [10**6]}, 400, "stop_token_ids"),
     ({"prediction": {"type": "file", "content": "x"}}, 400, "prediction.type"),
     ({"prediction": {"type": "content", "content": [{"type": "image_url"}]}}, 400, "prediction.content.0"),
+    ({"prediction": {"type": "content", "content": "ab " * 400}}, 400, "prediction.content"),  # over the context
 ])
 def test_bad_requests_get_openai_errors(server, body, status, param):
     r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 5, **body})
