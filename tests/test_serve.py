@@ -225,6 +225,10 @@ def test_a_prediction_keeps_the_output_and_counts_its_tokens(server, client, ref
     r = post(server, "/v1/chat/completions", body, key=None, prefix="/head").json()
     assert r["choices"][0]["message"]["content"] == want
     assert sum(r["usage"]["completion_tokens_details"].values()) > 0
+    plain = client.completions.create(model="tiny", prompt="abc", max_tokens=20, temperature=0)
+    r = client.completions.create(model="tiny", prompt="abc", max_tokens=20, temperature=0,
+                                  extra_body={"prediction": {"type": "content", "content": plain.choices[0].text}})
+    assert r.choices[0].text == plain.choices[0].text
 
 
 def test_stop_token_ids_end_the_output(server, reference):
