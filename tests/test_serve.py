@@ -167,14 +167,17 @@ def test_sixteen_concurrent_users_share_verifier_passes(client, server, referenc
     prompts = [[{"role": "user", "content": f"Question number {i}: " + "why? " * (i % 5)}] for i in range(16)]
     before = len(server["verifier"].stats.remote().result()["batch_sizes"])
 
-    def one(m):
-        return client.chat.completions.create(model="tiny", messages=m, max_tokens=30, temperature=0)
+    want = [greedy(reference, m, 30).text for m in prompts]
+
+    def one(i):  # every third user sends its answer as a prediction: it shares the passes too
+        extra = {"prediction": {"type": "content", "content": want[i]}} if i % 3 == 0 else {}
+        return client.chat.completions.create(model="tiny", messages=prompts[i], max_tokens=30, temperature=0, **extra)
 
     with cf.ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(one, prompts))
+        results = list(pool.map(one, range(16)))
     assert all(r.choices[0].finish_reason in ("length", "stop") for r in results)
-    for m, r in zip(prompts, results):  # greedy under concurrency equals single-user greedy
-        assert r.choices[0].message.content == greedy(reference, m, 30).text
+    for w, r in zip(want, results):  # greedy under concurrency equals single-user greedy
+        assert r.choices[0].message.content == w
     sizes = server["verifier"].stats.remote().result()["batch_sizes"][before:]
     print(f"verifier batch sizes with 16 users: max {max(sizes)}, mean {sum(sizes) / len(sizes):.2f}")
     assert max(sizes) > 1 and sum(sizes) / len(sizes) > 2
