@@ -62,6 +62,8 @@ class ServeMetrics:
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each draft position (a token tree's depth)", ["position"])
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the Verifier's prefix cache")
+        self.prediction_tokens = counter("prediction_tokens", "Requests' predictions (Predicted Outputs) drafted, "
+                                         "by whether the verifier kept them (kind: accepted, rejected)", ["kind"])
         # a round's calls as the ingress sees them (RPC included): what adaptive K weighs
         self.calls = Histogram(P + "replica_call_seconds", "Drafter / Verifier call latency seen by the ingress",
                                ["deployment"], registry=r, buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
@@ -114,6 +116,7 @@ class RequestTracker:
     def __init__(self, metrics: ServeMetrics, seq):
         self.m, self.seq = metrics, seq
         self.tokens = self.rounds = self.drafted = self.accepted = 0
+        self.predicted = {"accepted": 0, "rejected": 0}
         self.per_pos: list[int] = []
         self.t_last: float | None = None  # when the last counted token arrived
         self.ended = False
@@ -142,6 +145,11 @@ class RequestTracker:
             if n > was:
                 m.accepted_per_pos.labels(m.model, str(j)).inc(n - was)
         self.per_pos = list(sm.accepted_per_position)
+        kept = sm.num_prediction_accepted
+        for kind, n in (("accepted", kept), ("rejected", sm.num_prediction_drafted - kept)):
+            if n > self.predicted[kind]:
+                m.prediction_tokens.labels(m.model, kind).inc(n - self.predicted[kind])
+                self.predicted[kind] = n
 
     def end(self, reason: str) -> None:
         """Count the request's end once: its finish reason, or abort / error."""

@@ -158,6 +158,9 @@ def test_metrics_speak_vllms_names_and_move(server):
     r = post(server, "/v1/chat/completions", chat(max_tokens=20, num_speculative_tokens=3))
     assert r.status_code == 200
     n = r.json()["usage"]["completion_tokens"]
+    text = r.json()["choices"][0]["message"]["content"]
+    r = post(server, "/v1/chat/completions", chat(max_tokens=20, prediction={"type": "content", "content": text}))
+    predicted = r.json()["usage"]["completion_tokens_details"]
     assert_error(post(server, "/v1/chat/completions", chat(n=2)), 400, "n")
     time.sleep(5.1)  # the cache figures are asked for at most every 5 s
     after = scrape()
@@ -167,9 +170,11 @@ def test_metrics_speak_vllms_names_and_move(server):
     assert d("generation_tokens_total") >= n and d("prompt_tokens_total") > 0
     assert d("spec_decode_num_drafts_total") > 0 and d("spec_decode_num_draft_tokens_total") > 0
     assert d("spec_decode_num_accepted_tokens_total") == pytest.approx(
-        sum(d("spec_decode_num_accepted_tokens_per_pos_total", position=str(j)) for j in range(3)))
-    assert d("request_success_total", finished_reason="length") + d("request_success_total", finished_reason="stop") == 1
-    assert d("time_to_first_token_seconds_count") == 1 and d("e2e_request_latency_seconds_count") == 1
+        sum(d("spec_decode_num_accepted_tokens_per_pos_total", position=str(j)) for j in range(16)))
+    assert d("request_success_total", finished_reason="length") + d("request_success_total", finished_reason="stop") == 2
+    assert d("time_to_first_token_seconds_count") == 2 and d("e2e_request_latency_seconds_count") == 2
+    for kind in ("accepted", "rejected"):
+        assert d("prediction_tokens_total", kind=kind) == predicted[f"{kind}_prediction_tokens"]
     assert d("request_errors_total", status="400") >= 1
     assert d("prefix_cache_queries_total") > 0 and metric(after, "specdec:kv_cache_usage_perc") >= 0
 
