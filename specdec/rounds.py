@@ -53,25 +53,14 @@ class Round:
         self.batch = batch
         self.adaptive = adaptive
         self.proposer_of = proposer_of
-        # no drafts in a sequence's first round: that pass prefills its prompt, and a draft head has
-        # no verifier feature to draft from yet (its drafts would only widen the pass)
-        budgets = [s.draft_budget() if (proposer_of.get(s.seq_id) or s.prediction) and s.output_ids else 0
-                   for s in batch]
-        # copies first (cheap): their matches bound those sequences' drafts this round; a sequence
-        # with no model proposer drafts only what it copies
-        self.use_prediction = [bool(s.prediction) and (adaptive is None or not proposer_of.get(s.seq_id)
-                                                        or prediction_pays(adaptive, s)) for s in batch]
-        copies = [copy(s, b, lookup, proposer_of.get(s.seq_id), p) for s, b, p in zip(batch, budgets, self.use_prediction)]
-        self.looked_up = [x for x, _ in copies]
-        self.from_prediction = [p for _, p in copies]
-        budgets = [b if proposer_of.get(s.seq_id) else min(b, len(x)) for s, b, x in zip(batch, budgets, self.looked_up)]
+        budgets = self._copy(proposer_of, adaptive, lookup)
         # a sequence's first verify (and first draft) also prefills its prompt: such rounds would
         # teach the cost models that passes are dearer than they are, so they are not observed
         self.prefill_verify = any(not s.output_ids for s in batch)
         self.first_draft = [not s.metrics.num_model_drafted for s in batch]  # no model draft verified yet
         self.prediction: dict | None = None  # what adaptive K expected of its choice (round traces)
-        if adaptive is not None:
-            budgets = self._choose(adaptive, budgets)
+        if adaptive is not None:  # a first round's copy of a prediction goes whole: its pass prefills anyway
+            budgets = [b if not s.output_ids else k for s, b, k in zip(batch, budgets, self._choose(adaptive, budgets))]
         # a probe rides along a multi-step plain call: its drafts in the first pass, then every
         # sequence's plain steps (as a drafting round it would cut all of them to one step: one
         # more call for the batch, and an answer out of step with the others)
@@ -98,6 +87,24 @@ class Round:
         self._call_passes_s: list[float] = []  # the verifier call's pass times (commit)
         self._steps_asked = 1  # passes the call was asked for (verify_requests)
         self.t_committed = 0.0
+
+    def _copy(self, proposer_of: dict[str, str | None], adaptive: AdaptiveK | None,
+              lookup: NgramProposer | None) -> list[int]:
+        """Copies first (cheap): each sequence's copied drafts this round, and its draft budget.
+        A sequence with no model proposer drafts only what it copies, and so does one in its first
+        round, from its prediction alone: that pass prefills its prompt, and a draft head has no
+        verifier feature to draft from yet."""
+        first = [not s.output_ids for s in self.batch]
+        budgets = [s.draft_budget() if (s.prediction if f else proposer_of.get(s.seq_id) or s.prediction) else 0
+                   for s, f in zip(self.batch, first)]
+        self.use_prediction = [bool(s.prediction) and (adaptive is None or not proposer_of.get(s.seq_id)
+                                                        or prediction_pays(adaptive, s)) for s in self.batch]
+        copies = [copy(s, b, lookup, proposer_of.get(s.seq_id), p)
+                  for s, b, p in zip(self.batch, budgets, self.use_prediction)]
+        self.looked_up = [x for x, _ in copies]
+        self.from_prediction = [p for _, p in copies]
+        return [b if proposer_of.get(s.seq_id) and not f else min(b, len(x))
+                for s, b, x, f in zip(self.batch, budgets, self.looked_up, first)]
 
     def _choose(self, adaptive: AdaptiveK, budgets: list[int]) -> list[int]:
         """K per sequence from adaptive K, given each one's record and budget."""

@@ -11,7 +11,7 @@ GREEDY = SamplingParams(max_tokens=30, ignore_eos=True)
 
 def test_a_prediction_is_met_where_the_output_is():
     p = [5, 6, 7, 8, 9, 10, 11]
-    assert predicted(p, [], 3) == []  # nothing emitted yet: no suffix to meet it with
+    assert predicted(p, [], 3) == [5, 6, 7]  # nothing emitted yet: the prediction's start
     assert predicted(p, [5], 3) == [6, 7, 8]  # the output's start meets the prediction's start
     assert predicted(p, [5, 99], 3) == []  # an edit: no match of two tokens
     assert predicted(p, [5, 99, 8, 9], 3) == [10, 11]  # ... until the output rejoins the prediction

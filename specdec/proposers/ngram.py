@@ -30,9 +30,12 @@ def predicted(prediction: list[int], output: list[int], k: int, min_n: int = 2, 
     suffix of the output (at most max_n tokens, at least min_n, the output's start counting as a
     token that only the prediction's start matches) that occurs in the prediction, at the
     occurrence nearest the output's own length (an edit keeps most text where it was, and a
-    repeated line must not send the copy back to its first occurrence); [] if none."""
+    repeated line must not send the copy back to its first occurrence); [] if none. Before the
+    output has a token, the prediction's start."""
     if k <= 0 or not prediction:
         return []
+    if not output:
+        return prediction[:k]
     src = np.asarray([START] + prediction[:-1])  # src[j] is followed by prediction[j]
     run = suffix_runs(src, np.asarray([START] + output), max_n)
     best = int(run.max())
