@@ -22,7 +22,7 @@ from specdec.protocol import Proposal, ProposeRequest, VerifyRequest, VerifyResu
 from specdec.sequence import Delta, Sequence
 
 
-def copy(s: Sequence, budget: int, lookup: NgramProposer | None, proposer: str | None,
+def copied_drafts(s: Sequence, budget: int, lookup: NgramProposer | None, proposer: str | None,
          prediction: bool = True) -> tuple[list[int], bool]:
     """A sequence's drafts copied this round, and whether from its prediction: from there (if
     `prediction`) where the output meets it, else by prompt lookup (not for the ngram proposer,
@@ -53,7 +53,7 @@ class Round:
         self.batch = batch
         self.adaptive = adaptive
         self.proposer_of = proposer_of
-        budgets = self._copy(proposer_of, adaptive, lookup)
+        budgets = self._copies(proposer_of, adaptive, lookup)
         # a sequence's first verify (and first draft) also prefills its prompt: such rounds would
         # teach the cost models that passes are dearer than they are, so they are not observed
         self.prefill_verify = any(not s.output_ids for s in batch)
@@ -88,8 +88,8 @@ class Round:
         self._steps_asked = 1  # passes the call was asked for (verify_requests)
         self.t_committed = 0.0
 
-    def _copy(self, proposer_of: dict[str, str | None], adaptive: AdaptiveK | None,
-              lookup: NgramProposer | None) -> list[int]:
+    def _copies(self, proposer_of: dict[str, str | None], adaptive: AdaptiveK | None,
+                lookup: NgramProposer | None) -> list[int]:
         """Copies first (cheap): each sequence's copied drafts this round, and its draft budget.
         A sequence with no model proposer drafts only what it copies, and so does one in its first
         round, from its prediction alone: that pass prefills its prompt, and a draft head has no
@@ -99,7 +99,7 @@ class Round:
                    for s, f in zip(self.batch, first)]
         self.use_prediction = [bool(s.prediction) and (adaptive is None or not proposer_of.get(s.seq_id)
                                                         or prediction_pays(adaptive, s)) for s in self.batch]
-        copies = [copy(s, b, lookup, proposer_of.get(s.seq_id), p)
+        copies = [copied_drafts(s, b, lookup, proposer_of.get(s.seq_id), p)
                   for s, b, p in zip(self.batch, budgets, self.use_prediction)]
         self.looked_up = [x for x, _ in copies]
         self.from_prediction = [p for _, p in copies]

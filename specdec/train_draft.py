@@ -31,12 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import re
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch

@@ -1,7 +1,6 @@
 """The Serve application on a real (local) Ray cluster with tiny models, through HTTP and the
 official openai SDK."""
 import concurrent.futures as cf
-import json
 import time
 
 import httpx

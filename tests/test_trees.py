@@ -2,7 +2,6 @@
 greedy output identical to plain decoding in float32 and in int4 (bitwise-invariant tree passes),
 the head's trees well formed, and adaptive pruning by calibrated confidence."""
 import pytest
-import torch
 
 from conftest import assert_cache_equals_fresh_recompute, make_engine, ragged_prompts
 from specdec.confidence import Confidence, prune
