@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from torch import Tensor
 
 from specdec.sampling import SamplingParams
@@ -57,7 +58,7 @@ class VerifyRequest:
     draft_min_confidence: float = 0.0  # the self-drafts' ProposeRequest.min_confidence
     # a prediction the self-drafting passes copy from before the head drafts (Sequence.prediction),
     # and where the output starts in tokens (a copy aligns the output with the prediction)
-    prediction: tuple[int, ...] = ()
+    prediction: np.ndarray | None = None
     output_start: int = 0
 
 

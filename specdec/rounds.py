@@ -23,13 +23,13 @@ from specdec.sequence import Delta, Sequence
 
 
 def copied_drafts(s: Sequence, budget: int, lookup: NgramProposer | None, proposer: str | None,
-         prediction: bool = True) -> tuple[list[int], bool]:
+                  prediction: bool = True) -> tuple[list[int], bool]:
     """A sequence's drafts copied this round, and whether from its prediction: from there (if
     `prediction`) where the output meets it, else by prompt lookup (not for the ngram proposer,
     which is lookup itself); [] if neither matches."""
     if not budget:
         return [], False
-    if prediction and s.prediction and (x := predicted(s.prediction, s.output_ids, budget)):
+    if prediction and s.prediction is not None and (x := predicted(s.prediction, s.output_ids, budget)):
         return x, True
     return (lookup.lookup(s.tokens, budget) if lookup is not None and proposer != "ngram" else []), False
 
@@ -95,10 +95,11 @@ class Round:
         round, from its prediction alone: that pass prefills its prompt, and a draft head has no
         verifier feature to draft from yet."""
         first = [not s.output_ids for s in self.batch]
-        budgets = [s.draft_budget() if (s.prediction if f else proposer_of.get(s.seq_id) or s.prediction) else 0
-                   for s, f in zip(self.batch, first)]
-        self.use_prediction = [bool(s.prediction) and (adaptive is None or not proposer_of.get(s.seq_id)
-                                                        or prediction_pays(adaptive, s)) for s in self.batch]
+        has = [s.prediction is not None for s in self.batch]
+        budgets = [s.draft_budget() if (h if f else proposer_of.get(s.seq_id) or h) else 0
+                   for s, f, h in zip(self.batch, first, has)]
+        self.use_prediction = [h and (adaptive is None or not proposer_of.get(s.seq_id) or prediction_pays(adaptive, s))
+                               for s, h in zip(self.batch, has)]
         copies = [copied_drafts(s, b, lookup, proposer_of.get(s.seq_id), p)
                   for s, b, p in zip(self.batch, budgets, self.use_prediction)]
         self.looked_up = [x for x, _ in copies]
@@ -174,7 +175,7 @@ class Round:
                               feature=s.feature if own and head else None, room=s.room(),
                               draft_passes=1 if own and self.ride_along else None,
                               draft_min_confidence=self.min_confidence,
-                              prediction=tuple(s.prediction) if own and p else (), output_start=len(s.prompt_ids))
+                              prediction=s.prediction if own and p else None, output_start=len(s.prompt_ids))
                 for s, d, k, own, head, p in zip(self.batch, self.drafts, self.ks, self.self_drafted,
                                                  self.head_in_verifier, self.use_prediction)]
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from specdec.metrics import SpecMetrics
 from specdec.models.runner import ContextLengthError
 from specdec.protocol import TokenLogprob, VerifyResult
@@ -40,7 +42,7 @@ class Sequence:
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     feature: object = None  # verifier feature that predicted tokens[-1] (None until the first pass)
     logprobs: list[TokenLogprob] | None = None  # [len(output_ids)] when params.logprobs is set
-    prediction: list[int] = field(default_factory=list)  # tokens the output is expected to repeat (drafts, copied)
+    prediction: np.ndarray | None = None  # tokens the output is expected to repeat (drafts, copied); None: none
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -49,6 +51,9 @@ class Sequence:
             raise ContextLengthError(
                 f"prompt has {len(self.prompt_ids)} tokens; the context window is {self.max_len} tokens")
         self.tokens = list(self.prompt_ids)
+        # an array once, not at every round's lookup in it
+        self.prediction = np.asarray(self.prediction, dtype=np.int64) if self.prediction is not None and \
+            len(self.prediction) else None
         self.metrics.num_prompt_tokens = len(self.prompt_ids)
         self.stop_ids = set() if self.params.ignore_eos else set(self.eos_token_ids)
         self.stop_ids |= set(self.params.stop_token_ids)

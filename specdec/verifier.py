@@ -148,8 +148,8 @@ class Verifier:
         sequence without a feature yet); and which requests' drafts were copied."""
         out, copied = list(requests), [False] * len(requests)
         for i, r in enumerate(requests):
-            if r.self_draft and not r.draft_token_ids and r.prediction:
-                x = predicted(list(r.prediction), r.tokens[r.output_start:], r.self_draft)
+            if r.self_draft and not r.draft_token_ids and r.prediction is not None:
+                x = predicted(r.prediction, r.tokens[r.output_start:], r.self_draft)
                 out[i], copied[i] = dataclasses.replace(r, draft_token_ids=x, draft_probs=None, draft_parents=None), bool(x)
         asks = [i for i, r in enumerate(requests)
                 if r.self_draft and not r.draft_token_ids and not copied[i] and r.feature is not None]

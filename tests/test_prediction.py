@@ -132,3 +132,16 @@ def test_a_prediction_whose_copies_are_refused_gives_way_to_the_model():
     for _ in range(6):
         s.metrics.record_round(4, 0, lookup=True, predicted=True)
     assert not prediction_pays(ak, s)
+
+
+def test_a_prediction_shorter_than_the_match_harms_no_one(tiny_target, plain):
+    """A prediction of fewer tokens than the longest match read (8) once made the lookup raise,
+    failing the round for every sequence in the batch."""
+    assert predicted([5, 6, 7], [5, 6, 7, 1, 2, 3, 4, 5, 6], 3) == [7]
+    eng = make_engine(tiny_target, k=4)
+    prompts = ragged_prompts(4)
+    seqs = [eng.add_request(p, GREEDY, prediction=ref.token_ids[:2] if i % 2 else None)
+            for i, (p, ref) in enumerate(zip(prompts, plain))]
+    while eng.active:
+        eng.step()
+    assert [s.output_ids for s in seqs] == [r.token_ids for r in plain]
