@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.models import kernels, quant  # noqa: E402
 
 SHAPES = [(576, 960), (576, 3072), (1536, 576), (576, 49152)]  # (K in, N out)
-MS = [1, 2, 5, 9, 16]
+MS = "1,2,5,9,16"  # rows per call (--rows)
 
 
 def burst_ms(fn, calls: int) -> float:
@@ -36,6 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--rows", default=MS, help="M,M,...: rows per call")
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="KxN,KxN,...")
     ap.add_argument("--cold", action="store_true", help="read weights from memory, not cache")
     ap.add_argument("--cold-bytes", type=float, default=4e8, help="bytes of weight copies per method with --cold")
@@ -45,6 +46,7 @@ def main() -> None:
     if not kernels.load():
         sys.exit(f"wq kernels unavailable: {kernels.unavailable_reason()}")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    rows = [int(m) for m in args.rows.split(",")]
     cols = ["wq4", "wq8", "torch_int4", "bf16"]
     cells = {}  # (k, n, m, name) -> [fn, calls, best ms]
     for k, n in shapes:
@@ -57,7 +59,7 @@ def main() -> None:
             nbytes = sum(t.numel() * t.element_size() for t in ts)
             c = max(1, int(args.cold_bytes // nbytes)) if args.cold else 1
             copies[name] = [ts] + [tuple(t.clone() for t in ts) for _ in range(c - 1)]
-        for m in MS:
+        for m in rows:
             x = torch.randn(m, k).bfloat16()
             fns = {
                 "wq4": lambda i, c=copies["wq4"], x=x, n=n: kernels.matmul(x, *c[i % len(c)], 4, n),
@@ -80,7 +82,7 @@ def main() -> None:
     print(f"{'K->N':>12} {'M':>3} " + " ".join(f"{c + ' ms':>13}" for c in cols) + f" {'wq4/int4':>9} {'wq4 M/M1':>9}")
     rows = []
     for k, n in shapes:
-        for m in MS:
+        for m in rows:
             row = {c: cells[(k, n, m, c)][2] for c in cols}
             base = cells[(k, n, 1, "wq4")][2]
             rows.append({"k": k, "n": n, "m": m, **{c + "_ms": round(row[c], 4) for c in cols}})
