@@ -46,7 +46,7 @@ def main() -> None:
     if not kernels.load():
         sys.exit(f"wq kernels unavailable: {kernels.unavailable_reason()}")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    rows = [int(m) for m in args.rows.split(",")]
+    counts = [int(m) for m in args.rows.split(",")]  # rows per call; 1 must be among them
     cols = ["wq4", "wq8", "torch_int4", "bf16"]
     cells = {}  # (k, n, m, name) -> [fn, calls, best ms]
     for k, n in shapes:
@@ -59,7 +59,7 @@ def main() -> None:
             nbytes = sum(t.numel() * t.element_size() for t in ts)
             c = max(1, int(args.cold_bytes // nbytes)) if args.cold else 1
             copies[name] = [ts] + [tuple(t.clone() for t in ts) for _ in range(c - 1)]
-        for m in rows:
+        for m in counts:
             x = torch.randn(m, k).bfloat16()
             fns = {
                 "wq4": lambda i, c=copies["wq4"], x=x, n=n: kernels.matmul(x, *c[i % len(c)], 4, n),
@@ -82,7 +82,7 @@ def main() -> None:
     print(f"{'K->N':>12} {'M':>3} " + " ".join(f"{c + ' ms':>13}" for c in cols) + f" {'wq4/int4':>9} {'wq4 M/M1':>9}")
     rows = []
     for k, n in shapes:
-        for m in rows:
+        for m in counts:
             row = {c: cells[(k, n, m, c)][2] for c in cols}
             base = cells[(k, n, 1, "wq4")][2]
             rows.append({"k": k, "n": n, "m": m, **{c + "_ms": round(row[c], 4) for c in cols}})

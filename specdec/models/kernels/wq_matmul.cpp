@@ -232,12 +232,14 @@ inline void sweep(const uint8_t* wp, const uint16_t* sc, const uint16_t* mn, con
   }
 }
 
-// Several rows of 8 bits take a half tile per sweep: a whole tile's four int16 sums per row
-// spilled (5 rows of a [576 -> 4096] weight: 400 us in whole tiles, 351 in half tiles, by hand)
+// Three or more rows of 8 bits take a half tile per sweep: a whole tile's four int16 sums per row
+// spill past 2 rows (5 rows of a [576 -> 4096] weight: 400 us in whole tiles, 351 in half tiles,
+// by hand). Two rows fit: in one sweep the LM head, cold, took 1.03 ms for 2 rows, as for 1,
+// against 1.38 in half tiles (a verify pass at K = 1).
 template <int R, int BITS>
 inline void tile_kernel(const uint8_t* wp, const uint16_t* sc, const uint16_t* mn, const int8_t* xq, const float* s,
                         const float* xs, int64_t K, float* out) {
-  if constexpr (BITS == 4 || R == 1) {
+  if constexpr (BITS == 4 || R <= 2) {
     sweep<R, BITS, 2>(wp, sc, mn, xq, s, xs, K, out, 0);
   } else {
     sweep<R, BITS, 1>(wp, sc, mn, xq, s, xs, K, out, 0);
