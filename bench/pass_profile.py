@@ -1,7 +1,8 @@
 """Where a verifier pass's time goes: torch's profiler over 1-token and 5-token passes of the
-default verifier, by op (self CPU time), in the given dtype. Writes bench/results/pass-profile.json.
+default verifier, by op (self CPU time), in the given dtype. Writes bench/results/<name>.json
+(default pass-profile).
 
-    .venv/bin/python bench/pass_profile.py [--dtype auto] [--reps 20]"""
+    .venv/bin/python bench/pass_profile.py [--dtype auto] [--reps 20] [--tokens 1,2,3,5] [--name pass-profile]"""
 from __future__ import annotations
 
 import argparse
@@ -44,6 +45,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", default="1,5", help="tokens per pass, comma-separated")
+    ap.add_argument("--name", default="pass-profile", help="results file stem under bench/results/")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from specdec.models.layouts import maybe_tune
@@ -57,8 +60,8 @@ def main() -> None:
         out = {"dtype": a.dtype, "threads": a.threads, "torch": torch.__version__, "machine": machine(),
                # the fastest of three profiles: this VM's speed drifts by tens of percent over minutes
                "passes": {t: min((profile_pass(runner, t, a.reps) for _ in range(3)), key=lambda p: p["ms_per_pass"])
-                          for t in (1, 5)}}
-    path = ROOT / "bench" / "results" / "pass-profile.json"
+                          for t in (int(x) for x in a.tokens.split(","))}}
+    path = ROOT / "bench" / "results" / f"{a.name}.json"
     path.write_text(json.dumps(out, indent=1))
     print(json.dumps(out, indent=1))
 
