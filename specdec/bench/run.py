@@ -177,8 +177,14 @@ def summarize_row(row: str, runs: list[dict], base: list[dict]) -> dict:
             per.append(aj / dj if dj else 0.0)
         out["acceptance_per_position"] = per
         verifier_s = sum(r["verifier_s"] for r in runs)
-        out["pass_s"] = {"verifier": verifier_s / max(p, 1),  # per verifier pass
-                         "rest": (secs - verifier_s) / max(p, 1)}  # drafting, sampling, bookkeeping
+        # a request's first round is its prompt's pass (nothing drafts there; it yields one token):
+        # the same in every row, so it is counted apart from the decoding passes
+        prefill_s = sum(r["ttft_s"] or 0.0 for r in runs)
+        dp = max(p - len(runs), 1)
+        out["pass_s"] = {"verifier": (verifier_s - prefill_s) / dp,  # per decoding pass
+                         "rest": (secs - verifier_s) / dp,  # drafting, sampling, bookkeeping
+                         "prefill_share": prefill_s / secs if secs else 0.0}  # of the row's time
+        out["decode_tokens_per_pass"] = (tokens - len(runs)) / dp
         vs = verifier_s / max(tokens, 1)
         vb = sum(b["verifier_s"] for b in base) / max(sum(b["tokens"] for b in base), 1)
         out["verifier_time_saving"] = 1 - vs / vb if vb else 0.0
@@ -345,16 +351,29 @@ TARGETS = {"tokens_per_pass": 2.2, "greedy": 1.5, "sampled": 1.3, "worst_categor
 
 
 def time_terms(row: dict, k0: dict) -> dict | None:
-    """Why a row runs at the speed it does, as three terms of its speedup over K=0 (by totals, so
-    speedup = tokens_per_pass * k0_pass / (verify + rest)): the tokens a pass yields, the
-    verifier's time per pass and the time outside it per pass (drafts, sampling, bookkeeping),
-    both in K=0 passes (K=0's own time outside the verifier is k0_rest)."""
+    """Why a row runs at the speed it does, in terms of its speedup over K=0 by totals. Decoding
+    (every round after a request's first): decode_speedup = tokens_per_pass / (verify + rest), the
+    tokens a decoding pass yields over the verifier's time per pass and the time outside it
+    (drafts, sampling, bookkeeping), both in K=0 decoding passes (K=0's own rest is k0_rest).
+    The prompts' passes take the same time in every row, prefill_share of K=0's, so
+    speedup = 1 / (prefill_share + (1 - prefill_share) / decode_speedup)."""
     if "pass_s" not in row or "pass_s" not in k0:
         return None
     t0 = k0["pass_s"]["verifier"] + k0["pass_s"]["rest"]
     v, o = row["pass_s"]["verifier"] / t0, row["pass_s"]["rest"] / t0
-    n = row["mean_accepted_length"]
-    return {"tokens_per_pass": n, "verify": v, "rest": o, "k0_rest": k0["pass_s"]["rest"] / t0, "speedup": n / (v + o)}
+    n, f = row["decode_tokens_per_pass"], k0["pass_s"]["prefill_share"]
+    decode = n / (v + o)
+    return {"tokens_per_pass": n, "verify": v, "rest": o, "k0_rest": k0["pass_s"]["rest"] / t0, "prefill_share": f,
+            "decode_speedup": decode, "speedup": 1 / (f + (1 - f) / decode)}
+
+
+def tokens_needed(goal: float, terms: dict) -> float:
+    """The tokens a decoding pass must yield for a speedup of `goal` at the costs measured
+    (infinite where the prompts' share of the time alone rules it out)."""
+    f = terms["prefill_share"]
+    if 1 / goal <= f:
+        return float("inf")
+    return (1 - f) / (1 / goal - f) * (terms["verify"] + terms["rest"])
 
 
 def targets(out: dict) -> list[dict]:
@@ -373,19 +392,22 @@ def targets(out: dict) -> list[dict]:
     res = []
     for name, goal, got, terms in rows:
         if terms:  # at these costs, the tokens a pass must yield to meet the goal
-            terms |= {"tokens_per_pass_for_target": goal * (terms["verify"] + terms["rest"])}
+            terms |= {"tokens_per_pass_for_target": tokens_needed(goal, terms)}
         res.append({"target": name, "goal": goal, "measured": got, "met": got is not None and got >= goal, "terms": terms})
     return res
 
 
 def targets_markdown(rows: list[dict]) -> list[str]:
-    md = ["## Targets (the default row; terms in K=0 passes: speedup = tokens/pass / (verify + rest))",
-          "| target | goal | measured | met | tokens/pass | verify | rest (K=0's) | tokens/pass needed |",
-          "|---|---|---|---|---|---|---|---|"]
+    md = ["## Targets (the default row; decoding passes, costs in K=0's: decode speedup = tokens/pass / "
+          "(verify + rest); speedup = 1 / (prefill share + (1 - prefill share) / decode speedup))",
+          "| target | goal | measured | met | tokens/pass | verify | rest (K=0's) | decode speedup | prefill share "
+          "| tokens/pass needed |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t = r["terms"]
         cells = [f"{t['tokens_per_pass']:.2f}", f"{t['verify']:.2f}", f"{t['rest']:.2f} ({t['k0_rest']:.2f})",
-                 f"{t['tokens_per_pass_for_target']:.2f}"] if t else ["–"] * 4
+                 f"{t['decode_speedup']:.2f}x", f"{t['prefill_share']:.2f}",
+                 f"{t['tokens_per_pass_for_target']:.2f}"] if t else ["–"] * 6
         got = "–" if r["measured"] is None else f"{r['measured']:.2f}"
         md.append(f"| {r['target']} | {r['goal']:.2f} | {got} | {'yes' if r['met'] else 'no'} | " + " | ".join(cells) + " |")
     return md
