@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.models import kernels, quant  # noqa: E402
 
 SHAPES = [(576, 960), (576, 3072), (1536, 576), (576, 49152)]  # (K in, N out)
-MS = "1,2,5,9,16"  # rows per call (--rows)
+ROWS = "1,2,5,9,16"  # rows per call (--rows)
 
 
 def burst_ms(fn, calls: int) -> float:
@@ -36,7 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--rows", default=MS, help="M,M,...: rows per call")
+    ap.add_argument("--rows", default=ROWS, help="M,M,...: rows per call")
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="KxN,KxN,...")
     ap.add_argument("--cold", action="store_true", help="read weights from memory, not cache")
     ap.add_argument("--cold-bytes", type=float, default=4e8, help="bytes of weight copies per method with --cold")

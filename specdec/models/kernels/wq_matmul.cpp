@@ -169,9 +169,9 @@ inline void tile_kernel(const uint8_t* wp, const uint16_t* sc, const uint16_t* m
 constexpr const char* ISA = "avx512-vnni";
 
 #elif defined(WQ_AVX2)
-// Rows per call of a row tile. A row holds one int16 sum per 8 columns for 4 bits; several rows of
-// 8 bits take a half tile per sweep, two sums per row, so 6 rows and the unpacked weights fill the
-// 16 registers (built here for Zen 3: a [576 -> 1536] weight, 5 rows of 4 bits in one call took
+// Rows per call of a row tile. A row holds one int16 sum per 8 columns for 4 bits; three or more
+// rows of 8 bits take a half tile per sweep, two sums per row, so 6 rows and the unpacked weights
+// fill the 16 registers (built here for Zen 3: a [576 -> 1536] weight, 5 rows of 4 bits in one call took
 // 56 us against 75 as 4 + 1 rows in half tiles; the 8-bit LM head, cold, 4, 5 and 6 rows took
 // 1.85, 2.11 and 2.72 ms in calls of up to 6 rows against 2.37, 2.99 and 3.51 in calls of up to 3).
 constexpr int MAX_R = 6;
