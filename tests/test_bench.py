@@ -37,8 +37,8 @@ def test_quick_bench_on_tiny_models(tmp_path):
     assert [t["target"] for t in res["targets"]][:2] == ["tokens per pass, greedy", "greedy speedup vs K=0"]
     terms = res["targets"][1]["terms"]
     assert terms["decode_speedup"] == pytest.approx(terms["tokens_per_pass"] / (terms["verify"] + terms["rest"]))
-    f = terms["prefill_share"]
-    assert 0 < f < 1 and terms["speedup"] == pytest.approx(1 / (f + (1 - f) / terms["decode_speedup"]))
+    f, f0 = terms["prefill_share"], terms["k0_prefill_share"]
+    assert 0 < f < 1 and terms["speedup"] == pytest.approx(1 / (f + (1 - f0) / terms["decode_speedup"]))
     g = {r["row"]: r for r in res["greedy"]}
-    assert terms["speedup"] == pytest.approx(g["adaptive"]["tokens_per_s"] / g["k0"]["tokens_per_s"], rel=0.02)
+    assert terms["speedup"] == pytest.approx(g["adaptive"]["tokens_per_s"] / g["k0"]["tokens_per_s"], rel=0.01)
     assert "## Targets" in (tmp_path / "smoke.md").read_text()

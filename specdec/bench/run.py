@@ -152,7 +152,7 @@ def summarize_row(row: str, runs: list[dict], base: list[dict]) -> dict:
     speed = [(r["tokens"] / r["seconds"]) / (b["tokens"] / b["seconds"]) for r, b in zip(runs, base)
              if r["tokens"] and b["tokens"] and r["seconds"] > 0 and b["seconds"] > 0] or [float("nan")]
     out = {"row": row, "n": len(runs), "tokens": tokens,
-           "tokens_per_s": tokens / secs, "tokens_per_s_median": st.median(tps),
+           "seconds": secs, "tokens_per_s": tokens / secs, "tokens_per_s_median": st.median(tps),
            "tokens_per_s_iqr": _iqr(tps), "ms_per_token": 1000 * secs / max(tokens, 1),
            "latency_s_median": st.median(r["seconds"] for r in runs),
            "speedup_vs_k0": st.median(speed), "speedup_vs_k0_iqr": _iqr(speed),
@@ -178,12 +178,12 @@ def summarize_row(row: str, runs: list[dict], base: list[dict]) -> dict:
         out["acceptance_per_position"] = per
         verifier_s = sum(r["verifier_s"] for r in runs)
         # a request's first round is its prompt's pass (nothing drafts there; it yields one token):
-        # the same in every row, so it is counted apart from the decoding passes
+        # the same work in every row, so it is counted apart from the decoding passes
         prefill_s = sum(r["ttft_s"] or 0.0 for r in runs)
         dp = max(p - len(runs), 1)
         out["pass_s"] = {"verifier": (verifier_s - prefill_s) / dp,  # per decoding pass
                          "rest": (secs - verifier_s) / dp,  # drafting, sampling, bookkeeping
-                         "prefill_share": prefill_s / secs if secs else 0.0}  # of the row's time
+                         "prefill": prefill_s}  # the prompts' passes, all requests
         out["decode_tokens_per_pass"] = (tokens - len(runs)) / dp
         vs = verifier_s / max(tokens, 1)
         vb = sum(b["verifier_s"] for b in base) / max(sum(b["tokens"] for b in base), 1)
@@ -355,25 +355,27 @@ def time_terms(row: dict, k0: dict) -> dict | None:
     (every round after a request's first): decode_speedup = tokens_per_pass / (verify + rest), the
     tokens a decoding pass yields over the verifier's time per pass and the time outside it
     (drafts, sampling, bookkeeping), both in K=0 decoding passes (K=0's own rest is k0_rest).
-    The prompts' passes take the same time in every row, prefill_share of K=0's, so
-    speedup = 1 / (prefill_share + (1 - prefill_share) / decode_speedup)."""
+    Prompts' passes: prefill_share is the row's, in K=0's total time (k0_prefill_share is K=0's
+    own; they differ by timing noise), so speedup = 1 / (prefill_share + (1 - k0_prefill_share)
+    / decode_speedup), exactly when both rows answer with the same tokens."""
     if "pass_s" not in row or "pass_s" not in k0:
         return None
     t0 = k0["pass_s"]["verifier"] + k0["pass_s"]["rest"]
     v, o = row["pass_s"]["verifier"] / t0, row["pass_s"]["rest"] / t0
-    n, f = row["decode_tokens_per_pass"], k0["pass_s"]["prefill_share"]
+    n, f, f0 = (row["decode_tokens_per_pass"], row["pass_s"]["prefill"] / k0["seconds"],
+                k0["pass_s"]["prefill"] / k0["seconds"])
     decode = n / (v + o)
     return {"tokens_per_pass": n, "verify": v, "rest": o, "k0_rest": k0["pass_s"]["rest"] / t0, "prefill_share": f,
-            "decode_speedup": decode, "speedup": 1 / (f + (1 - f) / decode)}
+            "k0_prefill_share": f0, "decode_speedup": decode, "speedup": 1 / (f + (1 - f0) / decode)}
 
 
 def tokens_needed(goal: float, terms: dict) -> float:
     """The tokens a decoding pass must yield for a speedup of `goal` at the costs measured
     (infinite where the prompts' share of the time alone rules it out)."""
-    f = terms["prefill_share"]
+    f, f0 = terms["prefill_share"], terms["k0_prefill_share"]
     if 1 / goal <= f:
         return float("inf")
-    return (1 - f) / (1 / goal - f) * (terms["verify"] + terms["rest"])
+    return (1 - f0) / (1 / goal - f) * (terms["verify"] + terms["rest"])
 
 
 def targets(out: dict) -> list[dict]:
@@ -399,14 +401,14 @@ def targets(out: dict) -> list[dict]:
 
 def targets_markdown(rows: list[dict]) -> list[str]:
     md = ["## Targets (the default row; decoding passes, costs in K=0's: decode speedup = tokens/pass / "
-          "(verify + rest); speedup = 1 / (prefill share + (1 - prefill share) / decode speedup))",
-          "| target | goal | measured | met | tokens/pass | verify | rest (K=0's) | decode speedup | prefill share "
+          "(verify + rest); speedup = 1 / (prefill share + (1 - K=0's prefill share) / decode speedup))",
+          "| target | goal | measured | met | tokens/pass | verify | rest (K=0's) | decode speedup | prefill share (K=0's) "
           "| tokens/pass needed |",
           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t = r["terms"]
         cells = [f"{t['tokens_per_pass']:.2f}", f"{t['verify']:.2f}", f"{t['rest']:.2f} ({t['k0_rest']:.2f})",
-                 f"{t['decode_speedup']:.2f}x", f"{t['prefill_share']:.2f}",
+                 f"{t['decode_speedup']:.2f}x", f"{t['prefill_share']:.2f} ({t['k0_prefill_share']:.2f})",
                  f"{t['tokens_per_pass_for_target']:.2f}"] if t else ["–"] * 6
         got = "–" if r["measured"] is None else f"{r['measured']:.2f}"
         md.append(f"| {r['target']} | {r['goal']:.2f} | {got} | {'yes' if r['met'] else 'no'} | " + " | ".join(cells) + " |")
