@@ -169,6 +169,16 @@ def test_tree_masks_see_each_nodes_path_as_a_chain_would(window):
         assert int(b.rope_pos[0, t]) == p
 
 
+def test_a_tree_of_its_root_alone_gets_a_sliding_windows_mask():
+    """One query whose tree holds no drafts (all pruned): no full mask is needed, yet a sliding
+    layer's is, counted back from its position."""
+    from specdec.models.layers import BatchIndex
+
+    b = BatchIndex([0], [20], [1], 99, "cpu", [[-1]])
+    assert b.mask is None
+    assert b.mask_for(4)[0, 0, 0].nonzero().flatten().tolist() == [17, 18, 19, 20]
+
+
 def test_a_tree_near_the_end_of_the_context_keeps_only_the_nodes_that_fit():
     target = build_tiny(seed=0)
     prompt = ragged_prompts(8)[-1][:30]
