@@ -101,16 +101,13 @@ class Decoder(nn.Module):
 
     def _forward_tokens(self, tokens: Tensor, batch: BatchIndex, caches: list[tuple[Tensor, Tensor]]) -> Tensor:
         B, T = tokens.shape
-        slots = batch.slot_index.expand(B, T)
-        flat, pos, slots, rows, parent = (x.reshape(-1) for x in (tokens, batch.rope_pos, slots, batch.write_pos, batch.parent))
-        if batch.rows is not None:
-            flat, pos, slots, rows, parent = (x[batch.rows] for x in (flat, pos, slots, rows, parent))
+        flat = tokens.reshape(-1) if batch.rows is None else tokens.reshape(-1)[batch.rows]
+        pos = batch.meta[:, 1]
         rope = {}
         for kind in self._rope_kinds:
             cos_t, sin_t = self.rope_tables(kind, batch.ctx, tokens.device, self.embed.weight.dtype)
             rope[kind] = (cos_t[pos], sin_t[pos])
-        meta = torch.stack([slots, pos, rows, parent], 1)
-        return _padded(self.token_pass(flat, meta, rope, caches), batch.rows, B, T)
+        return _padded(self.token_pass(flat, batch.meta, rope, caches), batch.rows, B, T)
 
     def token_forward(self, tokens: Tensor, meta: Tensor, rope: dict[str, tuple[Tensor, Tensor]],
                       caches: list[tuple[Tensor, Tensor]]) -> Tensor:

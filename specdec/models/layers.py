@@ -162,20 +162,22 @@ class BatchIndex:
         trees = trees if trees is not None and any(t is not None for t in trees) else None
         # the index arithmetic in Python, one tensor at the end: as a dozen small tensor ops it took
         # ~0.3 ms of every pass on a 2-core CPU, for a few dozen numbers
-        rope, write, parent, par, depth = [], [], [], [], []
-        first = 0  # the sequence's first row among the batch's real inputs
-        for b, (s0, n) in enumerate(zip(start_pos, lengths)):
+        rope, write, meta, par, depth = [], [], [], [], []
+        for b, (slot, s0, n) in enumerate(zip(slots, start_pos, lengths)):
             tree = trees[b] if trees is not None else None
             d = node_depths(tree) + list(range(len(tree), T)) if tree is not None else list(range(T))
             p = list(tree) + [t - 1 if t < n else -1 for t in range(len(tree), T)] if tree is not None \
                 else [t - 1 if t < n else -1 for t in range(T)]
             rope.append([s0 + d[t] if t < n else 0 for t in range(T)])
             write.append([s0 + t if t < n else trash_pos for t in range(T)])
-            parent.append([x + first if x >= 0 else -1 for x in p])
+            first = len(meta)  # the sequence's first row among the batch's real inputs
+            meta += [[slot, rope[b][t], write[b][t], p[t] + first if p[t] >= 0 else -1] for t in range(n)]
             par.append(p)
             depth.append(d)
-            first += n
-        self.rope_pos, self.write_pos, self.parent = torch.tensor([rope, write, parent]).to(device).unbind(0)
+        self.rope_pos, self.write_pos = torch.tensor([rope, write]).to(device).unbind(0)
+        # [N, 4] each real input's (slot, position, row, parent among the real inputs; -1: none),
+        # what a token pass reads (token_pass.TokenKV)
+        self.meta = torch.tensor(meta).to(device)
         valid = torch.tensor([[t < n for t in range(T)] for n in lengths])  # [B, T]
         self.slots = torch.tensor(slots, device=device)
         self.slot_index = self.slots.unsqueeze(1)  # [B, 1], broadcasts against write_pos

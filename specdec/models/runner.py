@@ -158,9 +158,7 @@ class ModelRunner:
         slots = [self.slots[s] for s in seq_ids]
         lengths = [len(x) for x in inputs]
         T = max(lengths)
-        tok = torch.zeros(len(inputs), T, dtype=torch.long)
-        for i, x in enumerate(inputs):
-            tok[i, : len(x)] = torch.tensor(x)
+        tok = torch.tensor([x + [0] * (T - len(x)) for x in inputs])  # [B, T], padded
         batch = BatchIndex([s.index for s in slots], [len(s.tokens) for s in slots], lengths, self.max_len, self.device,
                            trees)
         hidden = self.model(tok.to(self.device), batch, self.caches)
