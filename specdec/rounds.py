@@ -31,7 +31,11 @@ def copied_drafts(s: Sequence, budget: int, lookup: NgramProposer | None, propos
         return [], False
     if prediction and s.prediction is not None and (x := predicted(s.prediction, s.output_ids, budget)):
         return x, True
-    return (lookup.lookup(s.tokens, budget) if lookup is not None and proposer != "ngram" else []), False
+    if lookup is None or proposer == "ngram":
+        return [], False
+    if s.lookup_index is None:
+        s.lookup_index = lookup.index()
+    return s.lookup_index.lookup(s.tokens, budget), False
 
 
 def prediction_pays(adaptive: AdaptiveK, s: Sequence) -> bool:

@@ -43,6 +43,7 @@ class Sequence:
     feature: object = None  # verifier feature that predicted tokens[-1] (None until the first pass)
     logprobs: list[TokenLogprob] | None = None  # [len(output_ids)] when params.logprobs is set
     prediction: np.ndarray | None = None  # tokens the output is expected to repeat (drafts, copied); None: none
+    lookup_index: object = None  # prompt lookup's index of its tokens (ngram.SuffixIndex), made at its first lookup
 
     def __post_init__(self):
         if not self.prompt_ids:

@@ -6,6 +6,7 @@ from conftest import assert_cache_equals_fresh_recompute, make_engine, ragged_pr
 from specdec.models.runner import ContextLengthError
 from specdec.models.tiny import noisy_copy
 from specdec.proposers import NgramProposer
+from specdec.proposers.ngram import SuffixIndex
 from specdec.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -81,7 +82,24 @@ def test_ngram_lookup_matches_a_plain_scan():
         assert NgramProposer(max_n, min_n).lookup(toks, k) == scan(toks, k, max_n, min_n)
 
 
-def test_prompt_lookup_before_the_draft_is_lossless_and_used(tiny_target):
+def test_a_sequences_lookup_index_finds_what_the_scan_does_as_it_grows():
+    """A sequence's SuffixIndex, fed its growing tokens round after round (1-4 at a time, as
+    rounds accept them), returns what the stateless lookup does at every length."""
+    import random
+
+    r = random.Random(1)
+    for _ in range(300):
+        max_n = r.randint(1, 5)
+        min_n = r.randint(1, max_n)
+        ngram, toks = NgramProposer(max_n, min_n), [r.randint(0, 4) for _ in range(r.randint(1, 20))]
+        index = ngram.index()
+        while len(toks) < 60:
+            k = r.randint(0, 5)
+            assert index.lookup(toks, k) == ngram.lookup(toks, k)
+            toks = toks + [r.randint(0, 4) for _ in range(r.randint(1, 4))]
+
+
+def test_prompt_lookup_before_the_draft_is_lossless_and_used(tiny_target, monkeypatch):
     """With lookup first, sequences whose suffix recurs draft by lookup (no draft-model call for
     them that round), the rest by the draft model; greedy output is still the verifier's."""
     prompts = [p * 3 for p in ragged_prompts()[:4]]
@@ -89,8 +107,8 @@ def test_prompt_lookup_before_the_draft_is_lossless_and_used(tiny_target):
     eng = make_engine(tiny_target, noisy_copy(tiny_target, 0.3), k=4)
     assert eng.lookup is not None and eng.lookup.min_n == 3
     hits, calls = [], []
-    lookup, propose = eng.lookup.lookup, eng.proposers["draft"].propose
-    eng.lookup.lookup = lambda t, k: hits.append(bool(r := lookup(t, k))) or r
+    lookup, propose = SuffixIndex.lookup, eng.proposers["draft"].propose
+    monkeypatch.setattr(SuffixIndex, "lookup", lambda self, t, k: hits.append(bool(r := lookup(self, t, k))) or r)
     eng.proposers["draft"].propose = lambda reqs: calls.append(len(reqs)) or propose(reqs)
     got = eng.generate(prompts, GREEDY)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]

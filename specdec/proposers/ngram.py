@@ -77,8 +77,40 @@ class NgramProposer:
         j = int(np.flatnonzero(run == best)[-1])  # latest match wins: recent context predicts best
         return tokens[j + 1 : j + 1 + k]
 
+    def index(self) -> "SuffixIndex":
+        """A growing sequence's own index, for lookups round after round (Round keeps it on the
+        Sequence)."""
+        return SuffixIndex(self.min_n, self.max_n)
+
     def free(self, seq_id: str) -> None:
         pass
+
+
+class SuffixIndex:
+    """NgramProposer.lookup for one sequence whose tokens only grow: where each of its n-grams
+    (min_n..max_n tokens) last ended, before its last token, kept up to date as tokens arrive.
+    A round's lookup is then a few dict reads, where scanning the whole context again took
+    ~0.13 ms of every drafting round (the 24 bench prompts, in process, on a 2-core CPU)."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.ends: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest occurrence ends
+        self.indexed = 0  # n-grams ending before this are in `ends`
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        L = len(tokens)
+        if L - 1 < self.indexed:  # cut back (a stop string ends it): indexed afresh
+            self.ends, self.indexed = {}, 0
+        for j in range(self.indexed, L - 1):  # a match ends before the suffix's own last token
+            for n in range(self.min_n, min(self.max_n, j + 1) + 1):
+                self.ends[tuple(tokens[j + 1 - n : j + 1])] = j
+        self.indexed = max(self.indexed, L - 1)
+        if k <= 0:
+            return []
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            if (j := self.ends.get(tuple(tokens[L - n :]))) is not None:
+                return tokens[j + 1 : j + 1 + k]
+        return []
 
 
 def lookup_proposer(min_n: int, max_n: int = 4) -> NgramProposer | None:
