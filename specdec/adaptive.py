@@ -97,8 +97,10 @@ def round_rate(lookup: list[bool], costs: Costs, ks: list[int], rows: list[list[
     tokens = sum(e[k] for e, k in zip(rows, ks))
     if not any(ks) and (plain := costs.plain.get(len(ks))) is not None:
         return tokens / plain
-    model = [k for k, m in zip(ks, lookup) if not m]
-    k_model, n_drafting = max(model, default=0), sum(1 for k in model if k)
+    k_model = n_drafting = 0  # the model's deepest K, and how many sequences it drafts for
+    for k, m in zip(ks, lookup):
+        if k and not m:
+            k_model, n_drafting = max(k_model, k), n_drafting + 1
     draft = costs.draft.optimistic if optimistic else costs.draft
     seconds = costs.verify(len(ks), sum(ks) + len(ks), optimistic) + (draft(n_drafting, k_model) if k_model else 0.0)
     return tokens / seconds
@@ -279,9 +281,8 @@ class AdaptiveK:
     def _pick(self, menu: Menu, new: list[bool] | None, prefilling: bool) -> list[int]:
         """The fastest pair, or a plain round to re-measure an old plain pass, or a probe: a new
         request's, or a periodic one once due."""
-        B, limit = len(menu.caps), menu.limit(False, self.k_max)
-        rates = {(k, kl): menu.rate(menu.ks(k, kl), menu.rows)
-                 for k in range(limit + 1) for kl in range(menu.limit(True, self.k_max) + 1)}
+        B, limit, limit_lookup = len(menu.caps), menu.limit(False, self.k_max), menu.limit(True, self.k_max)
+        rates = {(k, kl): menu.rate(menu.ks(k, kl), menu.rows) for k in range(limit + 1) for kl in range(limit_lookup + 1)}
         k, kl = best_pair(rates, self.min_gain)
         self.backoff.verdict(k > 0)
         if (k or kl) and not prefilling and self.costs.plain_stale(B, self._choices):
