@@ -156,6 +156,27 @@ def test_eviction_rebuilds_from_tokens(tiny_target, plain):
     assert eng.verifier.runner.evictions > 0
 
 
+def test_streamed_text_is_the_outputs_text_however_rounds_split_it(tiny_tok):
+    """Text is decoded a window at a time; its deltas join into exactly the whole output decoded
+    at once, characters of 2-4 bytes split across rounds and a special token skipped included."""
+    import random
+
+    from specdec.protocol import VerifyResult
+    from specdec.sequence import Sequence
+
+    ids = tiny_tok.encode("Grüße, 世界! 🙂👍 naïve café — ok. ") * 3
+    ids[20:20] = tiny_tok.encode("<|im_start|>")
+    r = random.Random(0)
+    for _ in range(20):
+        seq = Sequence("s", [1], SamplingParams(max_tokens=len(ids)), 0, 4096, decode=tiny_tok.decode)
+        i, deltas = 0, []
+        while i < len(ids):
+            n = r.randint(1, 5)
+            deltas.append(seq.commit(VerifyResult(ids[i : i + n], 0, 0)).text)
+            i += n
+        assert "".join(deltas) == seq.text == tiny_tok.decode(ids)
+
+
 def test_stop_conditions(tiny_target, tiny_tok, plain):
     p = ragged_prompts()[0]
     ref = plain[tuple(p)]
