@@ -785,16 +785,18 @@ void attend_by_runs(const Pass& P) {
 }
 #endif
 
-// write the pass's keys and values at their (slot, row); returns the longest context
-int64_t write_caches(const Pass& P, const uint16_t* kn, const uint16_t* vn, uint16_t* kc, uint16_t* vc, int64_t slots) {
+// write the pass's keys and values (token i's at kn + i * ks, vn + i * vs) at their (slot, row);
+// returns the longest context
+int64_t write_caches(const Pass& P, const uint16_t* kn, int64_t ks, const uint16_t* vn, int64_t vs, uint16_t* kc,
+                     uint16_t* vc, int64_t slots) {
   int64_t longest = 0;
   for (int64_t i = 0; i < P.N; ++i) {
     const int64_t s = P.slot(i), p = P.pos(i), row = P.row(i), a = P.parent(i);
     TORCH_CHECK(s >= 0 && s < slots && p >= 0 && row >= p && row < P.L, "attend_tokens: slot, position or row out of range");
     TORCH_CHECK(a < i && (a < 0 || (P.slot(a) == s && P.pos(a) == p - 1)), "attend_tokens: a parent is an earlier token one position before");
     for (int64_t g = 0; g < P.Hkv; ++g) {
-      std::memcpy(kc + P.base(i, g) + row * P.hd, kn + (i * P.Hkv + g) * P.hd, P.hd * sizeof(uint16_t));
-      std::memcpy(vc + P.base(i, g) + row * P.hd, vn + (i * P.Hkv + g) * P.hd, P.hd * sizeof(uint16_t));
+      std::memcpy(kc + P.base(i, g) + row * P.hd, kn + i * ks + g * P.hd, P.hd * sizeof(uint16_t));
+      std::memcpy(vc + P.base(i, g) + row * P.hd, vn + i * vs + g * P.hd, P.hd * sizeof(uint16_t));
     }
     longest = std::max(longest, p + 1);
   }
@@ -813,8 +815,11 @@ at::Tensor attend_tokens(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_
               "attend_tokens runs on bfloat16");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "attend_tokens needs contiguous caches");
   q = q.contiguous();
-  k = k.contiguous();
-  v = v.contiguous();
+  // keys and values are read a token's row at a time: a row may sit in a wider tensor (v is a
+  // view of the fused qkv matmul's output), which saves a copy per layer in a pass of 2+ tokens
+  const auto rows_apart = [](const at::Tensor& t) { return t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2); };
+  if (!rows_apart(k)) k = k.contiguous();
+  if (!rows_apart(v)) v = v.contiguous();
   meta = meta.to(at::kLong).contiguous();
   TORCH_CHECK(meta.dim() == 2 && meta.size(1) == 4, "attend_tokens: meta is [N, 4] (slot, position, row, parent)");
   auto out = at::empty_like(q);
@@ -825,7 +830,7 @@ at::Tensor attend_tokens(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_
                q.size(0), H, Hkv, H / Hkv, q.size(2), k_cache.size(2), window, static_cast<float>(scale),
                static_cast<float>(softcap), false};
   for (int64_t i = 0; i < P.N && !P.tree; ++i) P.tree = P.row(i) != P.pos(i);
-  const int64_t longest = write_caches(P, bits(k), bits(v), kc, vc, k_cache.size(0));
+  const int64_t longest = write_caches(P, bits(k), k.stride(0), bits(v), v.stride(0), kc, vc, k_cache.size(0));
   // always across the thread team, even for one token: run inline, a small call left the team's
   // threads to fall asleep, and waking them for the next matmul cost a 1-token pass ~3 ms here
 #if defined(ATT_VEC)
