@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from specdec.models import kernels
-from specdec.sampling import inverse_cdf
+from specdec.sampling import argmax_rows, inverse_cdf
 
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -44,7 +44,7 @@ def rejection_sample(
     best = {}  # target row -> its argmax
     if g_rows:
         g_target = target if len(g_rows) == target.shape[0] else target[g_rows]
-        best = dict(zip(g_rows, g_target.argmax(dim=-1).tolist()))
+        best = dict(zip(g_rows, argmax_rows(g_target)))
     drafts_all = draft_token_ids.tolist()
     out: list[list[int]] = [[] for _ in range(B)]
     d0 = list(accumulate(num_draft_tokens, initial=0))  # each request's first draft

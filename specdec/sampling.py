@@ -52,6 +52,15 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
 
+def argmax_rows(x: Tensor) -> list[int]:
+    """Each row's argmax of x [N, V], as torch.argmax gives it (the first of equal maxima; a NaN
+    counts as the largest), on the host. On a CPU with AVX2 or AVX-512 a kernel takes a row alone:
+    torch's op spreads it over the thread team, whose wake-up a greedy pass paid every time."""
+    if x.dtype == torch.float32 and kernels.sampling_fused(x):
+        return torch.ops.specdec_sampling.argmax(x)
+    return x.argmax(dim=-1).tolist()
+
+
 def logits_to_probs(logits: Tensor, p: SamplingParams | list[SamplingParams]) -> Tensor:
     """[N, V] logits -> [N, V] probabilities under temperature, top-k and top-p (fp32), with one
     SamplingParams for all rows or one per row: a batch's rows are transformed together, each by

@@ -18,7 +18,7 @@ from specdec.models.runner import ModelRunner
 from specdec.proposers.ngram import predicted
 from specdec.protocol import ProposeRequest, TokenLogprob, VerifyRequest, VerifyResult
 from specdec.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
-from specdec.sampling import logits_to_probs, round_generator
+from specdec.sampling import argmax_rows, logits_to_probs, round_generator
 from specdec.tree_sampler import greedy_path, sampled_path
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ class Verifier:
             sub = [requests[b] for b in tree]
             blocks = [list(range(starts[b], starts[b + 1])) for b in tree]
             target = _targets(sub, [ks[b] for b in tree], logits[[i for blk in blocks for i in blk]])
-            argmax = target.argmax(-1).tolist() if any(r.params.greedy for r in sub) else None  # one op, one copy
+            argmax = argmax_rows(target) if any(r.params.greedy for r in sub) else None  # one call for all
             i0 = 0
             for b, r, blk in zip(tree, sub, blocks):
                 if r.params.greedy:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec.models import kernels
-from specdec.sampling import SamplingParams, _probs, logits_to_probs
+from specdec.sampling import SamplingParams, _probs, argmax_rows, logits_to_probs
 
 pytestmark = pytest.mark.skipif(not kernels.sampling_fused(torch.zeros(1)),
                                 reason="no sampling kernel here (it needs the kernels built with AVX-512)")
@@ -105,3 +105,21 @@ def test_draw_says_where_no_mass_is_left():
     got = torch.ops.specdec_sampling.draw(p, torch.tensor([0, 1, 2]), torch.tensor([1, -1, -1]), w)
     assert got.tolist() == [-1, -1, -1]
     assert torch.ops.specdec_sampling.draw(p, torch.tensor([0]), torch.tensor([-1]), w[:1]).tolist() == [1]
+
+
+def test_argmax_is_torchs():
+    """A greedy row's token is torch.argmax's: the first of tied maxima (bfloat16 logits tie
+    often), a NaN ahead of any number, +inf and -inf where they lead, at widths that end mid-block."""
+    g = torch.Generator().manual_seed(0)
+    for V in (1, 7, 256, 300, 49152):
+        x = torch.randn(24, V, generator=g).to(torch.bfloat16).float()  # ties among the rounded values
+        x[1] = x[1].max()  # every token tied
+        x[2] = float("-inf")
+        x[3, V // 2] = float("inf")
+        x[4, -1] = float("nan")
+        x[5, V // 3] = float("nan")
+        x[5, -1] = float("inf")
+        x[6, V // 4 :] = x[6].max() + 1  # a tie from the middle to the end
+        x[7] = float("nan")
+        assert argmax_rows(x) == x.argmax(dim=-1).tolist(), V
+        assert argmax_rows(x[::2]) == x[::2].argmax(dim=-1).tolist()  # rows apart
