@@ -105,13 +105,13 @@ def test_q4_1_exact_weights_round_trip():
     assert torch.allclose(kernels.dequantize(q2, d2, m2), w, rtol=0, atol=1e-6)
     packed, scales, mins = kernels.pack(q2, d2, m2, 4)
     assert torch.equal(kernels.unpack_params(scales).float(), d2) and torch.equal(kernels.unpack_params(mins).float(), m2)
-    x = torch.randn(3, k)
+    x = torch.randn(3, k, generator=g)
     got = kernels.matmul(x, packed, scales, mins, 4, n)
     assert torch.allclose(got, x @ w.t(), rtol=2e-2, atol=2e-2)  # int8 activations: ~1% error
 
 
 def test_q8_weights_dequantise_close():
-    w = torch.randn(32, 96)
+    w = torch.randn(32, 96, generator=torch.Generator().manual_seed(0))
     q, d, m = kernels.quantize_q8_raw(w)
     assert int(q.min()) >= 1 and int(q.max()) <= 255
     assert (kernels.dequantize(q, d, m) - w).abs().max() <= d.max() / 2 + 1e-6
@@ -120,14 +120,15 @@ def test_q8_weights_dequantise_close():
 @pytest.mark.parametrize("bits", [4, 8])
 def test_zero_and_constant_groups(bits):
     n, k = 32, 128
-    w = torch.randn(n, k)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g)
     w[:, :32] = 0.0  # all-zero weight group
     w[:, 32:64] = 0.25  # all-equal weight group
     raw = kernels.quantize_q4_raw(w) if bits == 4 else kernels.quantize_q8_raw(w)
     packed, scales, mins = kernels.pack(*raw, bits)
     # exact for q4 (q = 0, m = the value); for q8 up to the fp16 scale's rounding (as GGUF's Q8_0)
     assert torch.allclose(kernels.dequantize(*raw)[:, :64], w[:, :64], atol=1e-6 if bits == 4 else 2e-4)
-    x = torch.randn(4, k)
+    x = torch.randn(4, k, generator=g)
     x[0] = 0.0  # all-zero row
     x[1, :32] = 0.0  # all-zero activation group
     x[2, :32] = -1.5  # all-equal activation groups
